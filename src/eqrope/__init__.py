@@ -1,0 +1,18 @@
+"""eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox."""
+
+from ._attention import CausalSelfAttention as CausalSelfAttention
+from ._block import DecoderBlock as DecoderBlock
+from ._cache import KVCache as KVCache, cache_nbytes as cache_nbytes
+from ._config import DecoderConfig as DecoderConfig, RopeScaling as RopeScaling
+from ._decoder import RotaryDecoder as RotaryDecoder
+from ._generate import Generation as Generation, generate as generate
+from ._mlp import GeluMLP as GeluMLP, SwiGLU as SwiGLU
+from ._params import count_params as count_params
+from ._rope import apply_rope as apply_rope, rope_inv_freq as rope_inv_freq
+from ._train import (
+    cross_entropy as cross_entropy,
+    init_optimizer as init_optimizer,
+    make_train_step as make_train_step,
+)
+
+__version__ = "0.1.0"

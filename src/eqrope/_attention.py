@@ -1,0 +1,140 @@
+"""Causal self-attention with rotary positions, grouped key/value heads and a read-only past."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._config import RopeScaling
+from ._init import uniform_weight
+from ._rope import apply_rope, rope_inv_freq
+
+
+class CausalSelfAttention(eqx.Module):
+    """Multi-head causal self-attention (Vaswani et al. 2017, section 3.2.1).
+
+    Queries and keys are rotated by their positions (RoFormer Eq. 15); values are not.
+    `n_kv_heads < n_heads` gives grouped-query attention (`n_kv_heads = 1`: multi-query).
+    The query, key and value projections are one fused matrix, so a step is one matmul.
+    Scores are scaled by `1/sqrt(head_dim)` and the softmax runs in float32.
+
+    The layer never writes a cache. It takes the cached keys and values of earlier
+    positions (`past`, read only) and returns the new rows' keys (already rotated) and
+    values, for the caller to store.
+    """
+
+    wqkv: Float[Array, "d_model qkv"]
+    wo: Float[Array, "heads_by_dim d_model"]
+    bqkv: Float[Array, " qkv"] | None
+    bo: Float[Array, " d_model"] | None
+    n_heads: int = eqx.field(static=True)
+    n_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    rope: bool = eqx.field(static=True)
+    rope_base: float = eqx.field(static=True)
+    rope_scaling: RopeScaling | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        bias: bool = False,
+        rope: bool = True,
+        rope_base: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        dtype=jnp.float32,
+        key: PRNGKeyArray,
+    ):
+        qkv_key, out_key = jax.random.split(key)
+        head_dim = d_model // n_heads
+        qkv = (n_heads + 2 * n_kv_heads) * head_dim
+        self.wqkv = uniform_weight(qkv_key, d_model, (d_model, qkv), dtype)
+        self.wo = uniform_weight(out_key, n_heads * head_dim, (n_heads * head_dim, d_model), dtype)
+        self.bqkv = jnp.zeros((qkv,), dtype) if bias else None
+        self.bo = jnp.zeros((d_model,), dtype) if bias else None
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.rope = rope
+        self.rope_base = float(rope_base)
+        self.rope_scaling = rope_scaling
+
+    def project(
+        self, x: Float[Array, "seq d_model"], positions: Int[Array, " seq"]
+    ) -> tuple[
+        Float[Array, "seq heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+    ]:
+        """Queries, keys and values of `x`; queries and keys rotated to `positions`."""
+        seq = x.shape[0]
+        qkv = x @ self.wqkv
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
+        q = qkv[:, :nq].reshape(seq, self.n_heads, hd)
+        k = qkv[:, nq : nq + nkv].reshape(seq, self.n_kv_heads, hd)
+        v = qkv[:, nq + nkv :].reshape(seq, self.n_kv_heads, hd)
+        if self.rope:
+            inv_freq = rope_inv_freq(hd, self.rope_base, self.rope_scaling)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+        return q, k, v
+
+    def __call__(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        past: tuple[
+            Float[Array, "max_len kv_heads head_dim"], Float[Array, "max_len kv_heads head_dim"]
+        ]
+        | None = None,
+    ) -> tuple[
+        Float[Array, "seq d_model"],
+        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+    ]:
+        """Attend from `x` (at `positions`) to itself causally and to the valid past rows.
+
+        **Arguments:**
+
+        - `x`: the normalised inputs, one row per position.
+        - `positions`: consecutive integer positions of the rows, starting at `positions[0]`.
+        - `past`: optional cached `(keys, values)`; rows `r < positions[0]` are attended and
+          every later row is masked (it is stale or not yet written).
+
+        **Returns:** `(out, k, v)`: the attention output and the keys (rotated) and values
+        of the rows of `x`.
+        """
+        q, k, v = self.project(x, positions)
+        seq = x.shape[0]
+        group = self.n_heads // self.n_kv_heads
+        qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
+        scale = 1.0 / self.head_dim**0.5
+
+        def scores(keys):
+            s = jnp.einsum("skgd,tkd->kgst", qg, keys, preferred_element_type=jnp.float32)
+            return s * scale
+
+        causal = positions[None, :] <= positions[:, None]
+        new_scores = jnp.where(causal, scores(k), -jnp.inf)
+        if past is None:
+            all_scores = new_scores
+        else:
+            past_k, past_v = past
+            valid = jnp.arange(past_k.shape[0], dtype=positions.dtype) < positions[0]
+            old_scores = jnp.where(valid[None, :], scores(past_k), -jnp.inf)
+            all_scores = jnp.concatenate([old_scores, new_scores], axis=-1)
+        weights = jax.nn.softmax(all_scores, axis=-1).astype(v.dtype)
+        if past is None:
+            out = jnp.einsum("kgst,tkd->skgd", weights, v)
+        else:
+            n_past = past_k.shape[0]
+            out = jnp.einsum("kgst,tkd->skgd", weights[..., :n_past], past_v)
+            out = out + jnp.einsum("kgst,tkd->skgd", weights[..., n_past:], v)
+        out = out.reshape(seq, self.n_heads * self.head_dim) @ self.wo
+        if self.bo is not None:
+            out = out + self.bo
+        return out, k, v

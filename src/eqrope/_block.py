@@ -1,0 +1,60 @@
+"""The pre-norm decoder block, read as literal residual code."""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._attention import CausalSelfAttention
+from ._config import DecoderConfig
+from ._mlp import GeluMLP, SwiGLU
+from ._norm import make_norm, norm_rows
+
+
+class DecoderBlock(eqx.Module):
+    """`x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    Pre-norm, as in GPT-2 and Llama; Vaswani et al. (2017) normalise after the residual sum.
+    """
+
+    attn_norm: eqx.nn.RMSNorm | eqx.nn.LayerNorm
+    attn: CausalSelfAttention
+    mlp_norm: eqx.nn.RMSNorm | eqx.nn.LayerNorm
+    mlp: SwiGLU | GeluMLP
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+        attn_key, mlp_key = jax.random.split(key)
+        dtype = config.jnp_dtype
+        self.attn_norm = make_norm(config.norm, config.d_model, config.norm_eps, dtype)
+        self.attn = CausalSelfAttention(
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            bias=config.bias,
+            rope=config.positions == "rope",
+            rope_base=config.rope_base,
+            rope_scaling=config.rope_scaling,
+            dtype=dtype,
+            key=attn_key,
+        )
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps, dtype)
+        mlp_cls = SwiGLU if config.mlp == "swiglu" else GeluMLP
+        self.mlp = mlp_cls(config.d_model, config.d_ff, bias=config.bias, dtype=dtype, key=mlp_key)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        past: tuple[
+            Float[Array, "max_len kv_heads head_dim"], Float[Array, "max_len kv_heads head_dim"]
+        ]
+        | None = None,
+    ) -> tuple[
+        Float[Array, "seq d_model"],
+        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "seq kv_heads head_dim"],
+    ]:
+        """**Returns:** `(x, k, v)`: the block's output and its new rows' keys and values."""
+        h, k, v = self.attn(norm_rows(self.attn_norm, x), positions, past)
+        x = x + h
+        x = x + self.mlp(norm_rows(self.mlp_norm, x))
+        return x, k, v

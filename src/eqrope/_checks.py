@@ -1,0 +1,71 @@
+"""Input checks: static ones raise at trace time, value-dependent ones use `eqx.error_if`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+    """True when `x` has a value now (not a tracer inside `jit`/`grad`/`vmap`)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
+    """Check that `x` holds integers of rank `ndim` and return it as an int32 array."""
+    if isinstance(x, (list, tuple)):
+        x = np.asarray(x)
+    if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+        raise TypeError(f"{name} must be an integer array, got {type(x).__name__}.")
+    if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(
+            f"{name} must hold integer token ids, got dtype {x.dtype}; "
+            f"pass integers, e.g. {name}.astype(jnp.int32)."
+        )
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.ndim not in ndims:
+        raise ValueError(
+            f"{name} must have rank {' or '.join(map(str, ndims))}, got shape {x.shape}.{hint}"
+        )
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def check_vocab(ids, vocab_size: int, name: str = "ids"):
+    """Raise (inside or outside `jit`) if a token id is outside `[0, vocab_size)`.
+
+    JAX's gather clamps out-of-range indices silently, so this check is what stops an
+    embedding lookup from returning another token's row.
+    """
+    if is_concrete(ids):
+        bad = np.asarray((ids < 0) | (ids >= vocab_size))
+        if bad.any():
+            raise ValueError(
+                f"{name} holds token ids outside [0, {vocab_size}): "
+                f"{np.asarray(ids)[bad][:5].tolist()}; the vocabulary has {vocab_size} ids."
+            )
+        return ids
+    return eqx.error_if(
+        ids,
+        (ids < 0) | (ids >= vocab_size),
+        f"{name} holds a token id outside [0, vocab_size={vocab_size}).",
+    )
+
+
+def check_span(pos, seq: int, max_len: int, name: str = "pos"):
+    """Check `0 <= pos` and `pos + seq <= max_len`; return `pos` as an int32 scalar."""
+    if isinstance(pos, bool):
+        raise TypeError(f"{name} must be an integer position, got {pos!r}.")
+    pos_arr = jnp.asarray(pos)
+    if pos_arr.ndim != 0 or not jnp.issubdtype(pos_arr.dtype, jnp.integer):
+        raise TypeError(f"{name} must be a scalar integer position, got {pos!r}.")
+    pos_arr = pos_arr.astype(jnp.int32)
+    message = (
+        f"{name} + sequence length must be within max_len={max_len} and {name} >= 0 "
+        f"(sequence length {seq}); the cache has max_len rows."
+    )
+    if is_concrete(pos_arr):
+        value = int(pos_arr)
+        if value < 0 or value + seq > max_len:
+            raise ValueError(message + f" Got {name}={value}.")
+        return pos_arr
+    return eqx.error_if(pos_arr, (pos_arr < 0) | (pos_arr + seq > max_len), message)

@@ -1,0 +1,91 @@
+"""Rotary position embeddings as a pure function of explicit positions.
+
+Note: `eqx.nn.RotaryPositionalEmbedding` does not fit here, so do not "simplify" back to
+it. It pairs dimension i with i + head_dim/2 ("rotate-half", the GPT-NeoX/Hugging Face
+layout) where RoFormer Eq. (15) pairs (x[2i], x[2i+1]); it takes no positions, so a
+cached decode step at position t cannot be expressed; and its table cache ignores theta.
+"""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from ._config import RopeScaling
+
+
+def rope_inv_freq(
+    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+) -> Float[Array, " half"]:
+    """The rotation rates `theta_i = base^(-2i/head_dim)`, `i = 0 .. head_dim/2 - 1`.
+
+    Computed in float32 (as Hugging Face does), optionally rescaled by `scaling`.
+
+    ??? cite "Reference"
+
+        Su et al. 2021, RoFormer, Eq. (15); the `llama3` rule is Meta's Llama 3.1 release.
+    """
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}.")
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(
+        head_dim
+    )
+    inv_freq = (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
+    if scaling is not None:
+        inv_freq = _rescale(inv_freq, scaling)
+    return jnp.asarray(inv_freq, dtype=jnp.float32)
+
+
+def _rescale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    factor = np.float32(scaling.factor)
+    if scaling.kind == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3: the rule of transformers' `_compute_llama3_parameters`.
+    old_len = np.float32(scaling.original_max_len)
+    low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    out = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, out).astype(np.float32)
+
+
+def apply_rope(
+    x: Float[Array, "seq heads head_dim"],
+    positions: Int[Array, " seq"],
+    inv_freq: Float[Array, " half"],
+) -> Float[Array, "seq heads head_dim"]:
+    """Rotate each pair `(x[2i], x[2i+1])` of every head by `positions * inv_freq[i]`.
+
+    Angles, cosines and sines are float32 whatever `x.dtype`; the result is cast back.
+    Apply it to queries and keys, never to values.
+
+    **Arguments:**
+
+    - `x`: queries or keys, one row per position.
+    - `positions`: the integer position of each row (any integer dtype).
+    - `inv_freq`: the rates from [`eqrope.rope_inv_freq`][].
+
+    **Returns:** the rotated `x`, same shape and dtype.
+
+    ??? cite "Reference"
+
+        Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding",
+        Eq. (15).
+    """
+    if x.shape[-1] != 2 * inv_freq.shape[0]:
+        raise ValueError(
+            f"apply_rope: x has head_dim {x.shape[-1]} but inv_freq has "
+            f"{inv_freq.shape[0]} rates; head_dim must be 2 * len(inv_freq)."
+        )
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq.astype(jnp.float32)[None, :]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    rotated = jnp.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)

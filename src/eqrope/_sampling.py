@@ -1,0 +1,52 @@
+"""Choosing the next token from logits, with every setting a traced value."""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Key, UInt
+
+
+def sample_token(
+    logits: Float[Array, " vocab"],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> tuple[Int[Array, ""], Float[Array, ""]]:
+    """Sample one token; `temperature == 0` is greedy.
+
+    All settings are arrays, so changing them never recompiles. Filtering works on the
+    sorted logits with traced thresholds:
+
+    - `top_k`: keep the logits `>=` the k-th largest (ties at the threshold are kept; a
+      `top_k >= vocab` keeps everything);
+    - `top_p`: then keep the smallest prefix of the sorted distribution whose mass reaches
+      `top_p` (nucleus sampling, Holtzman et al. 2020); the top token is always kept.
+
+    **Returns:** `(token, logprob)`. For `temperature > 0`, `logprob` is the token's
+    log-probability under the distribution it was sampled from (scaled and filtered).
+    For greedy decoding it is the log-probability under the model's own softmax.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[0]
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    greedy_logprob = jax.nn.log_softmax(logits)[greedy]
+
+    sampled = temperature > 0
+    scaled = logits / jnp.where(sampled, temperature, 1.0).astype(jnp.float32)
+    descending = jnp.sort(scaled)[::-1]
+    kth = descending[jnp.clip(top_k, 1, vocab) - 1]
+    filtered = jnp.where(scaled >= kth, scaled, -jnp.inf)
+
+    descending = jnp.sort(filtered)[::-1]
+    probs = jax.nn.softmax(descending)
+    mass_before = jnp.cumsum(probs) - probs
+    n_keep = jnp.sum(mass_before < top_p)
+    threshold = descending[jnp.maximum(n_keep, 1) - 1]
+    filtered = jnp.where(filtered >= threshold, filtered, -jnp.inf)
+
+    token = jax.random.categorical(key, filtered).astype(jnp.int32)
+    logprob = jax.nn.log_softmax(filtered)[token]
+    return (
+        jnp.where(sampled, token, greedy),
+        jnp.where(sampled, logprob, greedy_logprob),
+    )

@@ -1,0 +1,56 @@
+"""Training: the next-token loss and an optax step."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+
+def cross_entropy(
+    model,
+    ids: Int[Array, "batch seq"],
+    targets: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"] | None = None,
+) -> Float[Array, ""]:
+    """Mean next-token cross-entropy of `model` over the `mask`ed positions.
+
+    `targets[b, t]` is the token that should follow `ids[b, :t+1]`. The log-softmax runs
+    in float32. `mask=None` counts every position.
+    """
+    logits = jax.vmap(model)(ids).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    if mask is None:
+        return jnp.mean(nll)
+    weights = mask.astype(jnp.float32)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, model) -> PyTree:
+    """The optimiser state for the model's floating-point arrays."""
+    return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation,
+    loss_fn: Callable = cross_entropy,
+) -> Callable:
+    """A compiled step `(model, opt_state, *batch) -> (model, opt_state, loss)`.
+
+    `loss_fn(model, *batch)` defaults to [`eqrope.cross_entropy`][]. Gradients are taken
+    with respect to the model's floating-point arrays. With `remat=True` in the config each
+    block is recomputed in the backward pass.
+    """
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, *batch):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        return model, opt_state, loss
+
+    return train_step
