@@ -65,8 +65,9 @@ def generate(
     - `model`: a model with the cache protocol (`init_cache`, `prefill`, `step`, such as
       [`eqrope.RotaryDecoder`][]) takes the cached path: one compiled program that prefills
       the prompt in chunks and decodes in a `jax.lax.scan` with the cache in the carry. Any
-      other callable `ids -> logits` with a `max_len` attribute takes the uncached path: the
-      whole text runs again for every new token (compiled once per text length).
+      other causal callable `ids -> logits` with a `max_len` attribute takes the uncached
+      path: the whole text runs again for every new token, padded on the right to the next
+      power of two so that it compiles once per bucket, not once per length.
     - `prompt`: `(seq,)` token ids, or `(batch, seq)` for a batch.
     - `max_new`: the most tokens to add. Generation also stops when the text reaches the
       model's `max_len` (the cache has no more rows), and, per row, after `eos_id`.
@@ -244,15 +245,28 @@ def _prefill(model, buffer, lengths, chunk: int) -> tuple[KVCache, Float[Array, 
 
 
 @eqx.filter_jit
-def _last_logits(model, ids):
-    return model(ids)[-1].astype(jnp.float32)
+def _last_logits(model, ids, index):
+    return model(ids)[index].astype(jnp.float32)
 
 
 _sample = jax.jit(sample_token)
 
 
+def uncached_bucket(length: int, max_len: int) -> int:
+    """The padded width the uncached path runs a text of `length` tokens at.
+
+    The next power of two (at least 16), capped at `max_len`: at most twice the text, and
+    about `log2(max_len)` compiled shapes instead of one per length.
+    """
+    return min(max(16, 1 << (length - 1).bit_length()), max_len)
+
+
 def _generate_uncached(model, prompt, lengths, max_new, temperature, top_k, top_p, keys, eos, max_len):
-    """The reference loop: the whole text runs through `model` for every new token."""
+    """The reference loop: the whole text runs through `model` for every new token.
+
+    The text is padded on the right to [`uncached_bucket`][] tokens; a causal model's
+    logits at the last real token do not see the pads. Nothing is reused between tokens.
+    """
     batch = prompt.shape[0]
     tokens = np.zeros((batch, max_len), np.int32)
     logprobs = np.zeros((batch, max_len), np.float32)
@@ -266,7 +280,9 @@ def _generate_uncached(model, prompt, lengths, max_new, temperature, top_k, top_
             if len(text) >= max_len:
                 break
             pos = len(text)
-            logits = _last_logits(model, jnp.asarray(text, jnp.int32))
+            padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
+            padded[:pos] = text
+            logits = _last_logits(model, jnp.asarray(padded), jnp.asarray(pos - 1, jnp.int32))
             tok, lp = _sample(logits, jax.random.fold_in(keys[r], pos), temperature, top_k, top_p)
             text.append(int(tok))
             tokens[r, pos], logprobs[r, pos] = int(tok), float(lp)
