@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import RopeScaling
 from ._init import uniform_weight
+from ._kernel import empty_state, finish, merge, merge_cache
 from ._rope import apply_rope, rope_inv_freq
 
 
@@ -91,6 +92,9 @@ class CausalSelfAttention(eqx.Module):
             Float[Array, "max_len kv_heads head_dim"], Float[Array, "max_len kv_heads head_dim"]
         ]
         | None = None,
+        *,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_chunk: int = 256,
     ) -> tuple[
         Float[Array, "seq d_model"],
         Float[Array, "seq kv_heads head_dim"],
@@ -104,6 +108,9 @@ class CausalSelfAttention(eqx.Module):
         - `positions`: consecutive integer positions of the rows, starting at `positions[0]`.
         - `past`: optional cached `(keys, values)`; rows `r < positions[0]` are attended and
           every later row is masked (it is stale or not yet written).
+        - `kv_bound`, `kv_chunk`: the cache is read in chunks of `kv_chunk` rows and only
+          chunks below `kv_bound` (default `positions[0]`) are visited; see
+          `eqrope._kernel.merge_cache`. Neither changes the result.
 
         **Returns:** `(out, k, v)`: the attention output and the keys (rotated) and values
         of the rows of `x`.
@@ -112,28 +119,14 @@ class CausalSelfAttention(eqx.Module):
         seq = x.shape[0]
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
-        scale = 1.0 / self.head_dim**0.5
-
-        def scores(keys):
-            s = jnp.einsum("skgd,tkd->kgst", qg, keys, preferred_element_type=jnp.float32)
-            return s * scale
-
-        causal = positions[None, :] <= positions[:, None]
-        new_scores = jnp.where(causal, scores(k), -jnp.inf)
-        if past is None:
-            all_scores = new_scores
-        else:
+        state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+        if past is not None:
             past_k, past_v = past
-            valid = jnp.arange(past_k.shape[0], dtype=positions.dtype) < positions[0]
-            old_scores = jnp.where(valid[None, :], scores(past_k), -jnp.inf)
-            all_scores = jnp.concatenate([old_scores, new_scores], axis=-1)
-        weights = jax.nn.softmax(all_scores, axis=-1).astype(v.dtype)
-        if past is None:
-            out = jnp.einsum("kgst,tkd->skgd", weights, v)
-        else:
-            n_past = past_k.shape[0]
-            out = jnp.einsum("kgst,tkd->skgd", weights[..., :n_past], past_v)
-            out = out + jnp.einsum("kgst,tkd->skgd", weights[..., n_past:], v)
+            state = merge_cache(
+                state, qg, past_k, past_v, positions[0], kv_bound=kv_bound, kv_chunk=kv_chunk
+            )
+        causal = positions[None, :] <= positions[:, None]
+        out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
         out = out.reshape(seq, self.n_heads * self.head_dim) @ self.wo
         if self.bo is not None:
             out = out + self.bo

@@ -37,11 +37,12 @@ def check_vocab(ids, vocab_size: int, name: str = "ids"):
     embedding lookup from returning another token's row.
     """
     if is_concrete(ids):
-        bad = np.asarray((ids < 0) | (ids >= vocab_size))
+        values = np.asarray(ids)
+        bad = (values < 0) | (values >= vocab_size)
         if bad.any():
             raise ValueError(
                 f"{name} holds token ids outside [0, {vocab_size}): "
-                f"{np.asarray(ids)[bad][:5].tolist()}; the vocabulary has {vocab_size} ids."
+                f"{values[bad][:5].tolist()}; the vocabulary has {vocab_size} ids."
             )
         return ids
     return eqx.error_if(
@@ -64,7 +65,7 @@ def check_span(pos, seq: int, max_len: int, name: str = "pos"):
         f"(sequence length {seq}); the cache has max_len rows."
     )
     if is_concrete(pos_arr):
-        value = int(pos_arr)
+        value = int(np.asarray(pos_arr))
         if value < 0 or value + seq > max_len:
             raise ValueError(message + f" Got {name}={value}.")
         return pos_arr

@@ -137,6 +137,9 @@ class RotaryDecoder(eqx.Module):
         ids: Int[Array, " seq"],
         positions: Int[Array, " seq"],
         cache: KVCache | None = None,
+        *,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_chunk: int = 256,
     ) -> tuple[
         Float[Array, "seq vocab"],
         Float[Array, "blocks seq kv_heads head_dim"],
@@ -144,8 +147,10 @@ class RotaryDecoder(eqx.Module):
     ]:
         """The unchecked core: logits and each block's new keys and values.
 
-        `positions` must be consecutive; the cache rows `r < positions[0]` are attended.
-        Public callers want `__call__`, `prefill` or `step`, which check their inputs.
+        `positions` must be consecutive; the cache rows `r < positions[0]` are attended,
+        read in chunks of `kv_chunk` rows, skipping chunks at or past `kv_bound` (default
+        `positions[0]`). Public callers want `__call__`, `prefill` or `step`, which check
+        their inputs.
         """
         x = self.embed[ids]
         if self.pos_embed is not None:
@@ -154,7 +159,7 @@ class RotaryDecoder(eqx.Module):
 
         def run_block(block_arrays, x, past):
             block = eqx.combine(block_arrays, static)
-            return block(x, positions, past)
+            return block(x, positions, past, kv_bound=kv_bound, kv_chunk=kv_chunk)
 
         if self.config.remat:
             run_block = eqx.filter_checkpoint(run_block)
@@ -192,6 +197,8 @@ class RotaryDecoder(eqx.Module):
         pos: int | Int[Array, ""] = 0,
         *,
         check: bool = True,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_chunk: int = 256,
     ) -> tuple[Float[Array, "seq vocab"], KVCache]:
         """Run `ids` at positions `pos .. pos + seq - 1` in one pass against `cache`.
 
@@ -207,6 +214,11 @@ class RotaryDecoder(eqx.Module):
         which cost compile time inside loops; only for callers that have checked already,
         such as [`eqrope.generate`][]. Shapes and dtypes are always checked.
 
+        The cache is read in chunks of `kv_chunk` rows, and chunks at or past `kv_bound`
+        (default `pos`) are skipped, so the cost follows the position, not `max_len`. Under
+        `jax.vmap` over a batch with different positions, pass an unbatched `kv_bound`
+        (the batch's largest `pos`), or every chunk is computed. Neither changes the result.
+
         **Returns:** `(logits, cache)`, logits for every row of `ids`.
         """
         self._check_cache(cache)
@@ -217,7 +229,9 @@ class RotaryDecoder(eqx.Module):
             ids = as_int_array(ids, "ids", ndim=1)
             pos = jnp.asarray(pos).astype(jnp.int32)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
-        logits, keys, values = self.forward(ids, positions, cache)
+        logits, keys, values = self.forward(
+            ids, positions, cache, kv_bound=kv_bound, kv_chunk=kv_chunk
+        )
         return logits, write_rows(cache, keys, values, pos)
 
     def step(
@@ -227,15 +241,19 @@ class RotaryDecoder(eqx.Module):
         pos: int | Int[Array, ""],
         *,
         check: bool = True,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_chunk: int = 256,
     ) -> tuple[Float[Array, " vocab"], KVCache]:
         """One token at position `pos`: writes row `pos`, attends to rows `0 .. pos`.
 
-        `check` is as for `prefill`.
+        `check`, `kv_bound` and `kv_chunk` are as for `prefill`.
 
         **Returns:** `(logits, cache)`, the logits for the next position.
         """
         token = as_int_array(token, "token", ndim=0, hint=" Pass one token id; for a batch use jax.vmap.")
-        logits, cache = self.prefill(token[None], cache, pos, check=check)
+        logits, cache = self.prefill(
+            token[None], cache, pos, check=check, kv_bound=kv_bound, kv_chunk=kv_chunk
+        )
         return logits[0], cache
 
     # -- checks --------------------------------------------------------------------------

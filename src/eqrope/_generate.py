@@ -38,7 +38,7 @@ def has_cache_protocol(model) -> bool:
     """True for models with `init_cache`, `prefill` and `step` (like `RotaryDecoder`).
 
     `generate` calls `prefill(ids, cache, pos, check=False)` and `step(token, cache, pos,
-    check=False)` after checking the prompt itself.
+    check=False, kv_bound=bound)` after checking the prompt itself.
     """
     return all(callable(getattr(model, name, None)) for name in ("init_cache", "prefill", "step"))
 
@@ -187,7 +187,10 @@ def _generate_cached(
         def advance(state):
             cache, _ = state
             step_pos = jnp.minimum(pos, max_len - 1)
-            logits, cache = jax.vmap(functools.partial(model.step, check=False))(tok, cache, step_pos)
+            # An unbatched bound lets every row skip the cache chunks past the batch's
+            # furthest position (a batched one would make the skip a select).
+            step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
+            logits, cache = jax.vmap(step)(tok, cache, step_pos)
             return cache, logits.astype(jnp.float32)
 
         cache, logits = jax.lax.cond(jnp.any(~finished), advance, lambda s: s, (cache, logits))

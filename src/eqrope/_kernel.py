@@ -1,0 +1,109 @@
+"""Attention arithmetic: a float32 online softmax over the cache, chunk by chunk.
+
+A decode step at position `pos` needs only the cache rows below `pos`. The cache has a
+static `max_len` rows, so a plain masked softmax reads all of them whatever the position.
+Here the rows are visited in chunks of `kv_chunk`, and chunks at or beyond `kv_bound` are
+skipped by a `lax.cond` inside a `lax.scan`: the shapes stay static (one compile per
+`max_len`), the work follows the position, and the loop stays reverse-differentiable.
+Partial results are merged with the streaming softmax of Milakov & Gimelshein (2018), as
+in FlashAttention (Dao et al. 2022).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+# (running max, running sum, running weighted values), all float32.
+State = tuple[
+    Float[Array, "kv_heads group seq"],
+    Float[Array, "kv_heads group seq"],
+    Float[Array, "kv_heads group seq head_dim"],
+]
+
+
+def empty_state(kv_heads: int, group: int, seq: int, head_dim: int) -> State:
+    shape = (kv_heads, group, seq)
+    return (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+
+
+def scores(
+    q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "rows kv_heads head_dim"]
+) -> Float[Array, "kv_heads group seq rows"]:
+    """`q . k / sqrt(head_dim)` in float32."""
+    s = jnp.einsum("skgd,tkd->kgst", q, k, preferred_element_type=jnp.float32)
+    return s * (1.0 / q.shape[-1] ** 0.5)
+
+
+def merge(
+    state: State,
+    q: Float[Array, "seq kv_heads group head_dim"],
+    k: Float[Array, "rows kv_heads head_dim"],
+    v: Float[Array, "rows kv_heads head_dim"],
+    mask: Bool[Array, "#seq rows"],
+) -> State:
+    """Fold the rows `k, v` (where `mask`) into the running softmax `state`."""
+    m, l, acc = state
+    s = jnp.where(mask, scores(q, k), -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # A row with nothing visible yet has m_new = -inf; shift by 0 there to avoid inf - inf.
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - shift[..., None])
+    correction = jnp.exp(m - shift)
+    l = l * correction + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("kgst,tkd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l, acc * correction[..., None] + pv
+
+
+def finish(state: State) -> Float[Array, "seq kv_heads group head_dim"]:
+    """The softmax-weighted values, `acc / l`, as `(seq, kv_heads, group, head_dim)`."""
+    _, l, acc = state
+    return jnp.transpose(acc / l[..., None], (2, 0, 1, 3))
+
+
+def merge_cache(
+    state: State,
+    q: Float[Array, "seq kv_heads group head_dim"],
+    cache_k: Float[Array, "max_len kv_heads head_dim"],
+    cache_v: Float[Array, "max_len kv_heads head_dim"],
+    n_valid: Int[Array, ""],
+    *,
+    kv_bound: Int[Array, ""] | None = None,
+    kv_chunk: int = 256,
+) -> State:
+    """Fold cache rows `0 .. n_valid - 1` into `state`, visiting only chunks below `kv_bound`.
+
+    `kv_bound` defaults to `n_valid`. Under `jax.vmap` a batched `n_valid` would turn the
+    skip into a select that runs every chunk, so a batched caller passes an unbatched
+    bound (the largest `n_valid` of the batch).
+    """
+    max_len = cache_k.shape[0]
+    kv_bound = n_valid if kv_bound is None else kv_bound
+    if max_len <= kv_chunk:
+        mask = jnp.arange(max_len, dtype=jnp.int32)[None, :] < n_valid
+        return merge(state, q, cache_k, cache_v, mask)
+    n_chunks = math.ceil(max_len / kv_chunk)
+    offsets = jnp.arange(kv_chunk, dtype=jnp.int32)
+
+    def body(state, j):
+        first = j * kv_chunk
+        # The last chunk may overlap the one before it; its repeated rows are masked.
+        start = jnp.minimum(first, max_len - kv_chunk)
+
+        def visit(state):
+            k = jax.lax.dynamic_slice_in_dim(cache_k, start, kv_chunk, axis=0)
+            v = jax.lax.dynamic_slice_in_dim(cache_v, start, kv_chunk, axis=0)
+            rows = start + offsets
+            mask = ((rows >= first) & (rows < n_valid))[None, :]
+            return merge(state, q, k, v, mask)
+
+        return jax.lax.cond(first < kv_bound, visit, lambda s: s, state), None
+
+    state, _ = jax.lax.scan(body, state, jnp.arange(n_chunks, dtype=jnp.int32))
+    return state
