@@ -61,7 +61,7 @@ def test_skipped_chunks_do_not_matter(model, ids):
     """Rows past the position hold garbage; the result must not see them."""
     _, cache = model.prefill(ids[:20], model.init_cache())
     junk = eqrope.KVCache(
-        keys=cache.keys.at[:, 21:].set(1e3), values=cache.values.at[:, 21:].set(-1e3)
+        keys=cache.keys.at[:, :, 21:].set(1e3), values=cache.values.at[:, :, 21:].set(-1e3)
     )
     a, _ = model.step(ids[20], cache, 20, kv_chunk=CHUNK)
     b, _ = model.step(ids[20], junk, 20, kv_chunk=CHUNK)
@@ -84,15 +84,17 @@ def test_merge_cache_matches_dense_softmax():
     """The streaming softmax against a direct softmax over the visible rows."""
     keys = jax.random.split(jax.random.PRNGKey(2), 3)
     q = jax.random.normal(keys[0], (2, 2, 3, 8), jnp.float32)
-    k = jax.random.normal(keys[1], (40, 2, 8), jnp.float32)
-    v = jax.random.normal(keys[2], (40, 2, 8), jnp.float32)
+    k = jax.random.normal(keys[1], (1, 2, 40, 8), jnp.float32)
+    v = jax.random.normal(keys[2], (1, 2, 40, 8), jnp.float32)
+    cache = eqrope.KVCache(keys=k, values=v).block(jnp.asarray(0, jnp.int32))
     n_valid = jnp.asarray(29, jnp.int32)
     state = _kernel.empty_state(2, 3, 2, 8)
-    out = _kernel.finish(_kernel.merge_cache(state, q, k, v, n_valid, kv_chunk=8))
-    s = np.einsum("skgd,tkd->kgst", np.asarray(q), np.asarray(k))[..., :29] / np.sqrt(8)
+    out = _kernel.finish(_kernel.merge_cache(state, q, cache, n_valid, kv_chunk=8))
+    k, v = np.asarray(k)[0], np.asarray(v)[0]
+    s = np.einsum("skgd,ktd->kgst", np.asarray(q), k)[..., :29] / np.sqrt(8)
     w = np.exp(s - s.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
-    expected = np.einsum("kgst,tkd->skgd", w, np.asarray(v)[:29])
+    expected = np.einsum("kgst,ktd->skgd", w, v[:, :29])
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
 
 

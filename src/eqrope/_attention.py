@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._cache import BlockCache
 from ._config import RopeScaling
 from ._init import uniform_weight
 from ._kernel import empty_state, finish, merge, merge_cache
@@ -88,10 +89,7 @@ class CausalSelfAttention(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        past: tuple[
-            Float[Array, "max_len kv_heads head_dim"], Float[Array, "max_len kv_heads head_dim"]
-        ]
-        | None = None,
+        past: BlockCache | None = None,
         *,
         kv_bound: Int[Array, ""] | None = None,
         kv_chunk: int = 256,
@@ -106,14 +104,14 @@ class CausalSelfAttention(eqx.Module):
 
         - `x`: the normalised inputs, one row per position.
         - `positions`: consecutive integer positions of the rows, starting at `positions[0]`.
-        - `past`: optional cached `(keys, values)`; rows `r < positions[0]` are attended and
-          every later row is masked (it is stale or not yet written).
+        - `past`: optional view of this block's cache; rows `r < positions[0]` are
+          attended and every later row is masked (it is stale or not yet written).
         - `kv_bound`, `kv_chunk`: the cache is read in chunks of `kv_chunk` rows and only
           chunks below `kv_bound` (default `positions[0]`) are visited; see
           `eqrope._kernel.merge_cache`. Neither changes the result.
 
         **Returns:** `(out, k, v)`: the attention output and the keys (rotated) and values
-        of the rows of `x`.
+        of the rows of `x` (row-major, `(seq, kv_heads, head_dim)`).
         """
         q, k, v = self.project(x, positions)
         seq = x.shape[0]
@@ -121,12 +119,12 @@ class CausalSelfAttention(eqx.Module):
         qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
         state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
         if past is not None:
-            past_k, past_v = past
             state = merge_cache(
-                state, qg, past_k, past_v, positions[0], kv_bound=kv_bound, kv_chunk=kv_chunk
+                state, qg, past, positions[0], kv_bound=kv_bound, kv_chunk=kv_chunk
             )
         causal = positions[None, :] <= positions[:, None]
-        out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
+        heads_major = lambda x: jnp.transpose(x, (1, 0, 2))
+        out = finish(merge(state, qg, heads_major(k), heads_major(v), causal)).astype(v.dtype)
         out = out.reshape(seq, self.n_heads * self.head_dim) @ self.wo
         if self.bo is not None:
             out = out + self.bo

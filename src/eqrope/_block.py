@@ -5,6 +5,7 @@ import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attention import CausalSelfAttention
+from ._cache import BlockCache
 from ._config import DecoderConfig
 from ._mlp import GeluMLP, SwiGLU
 from ._norm import make_norm, norm_rows
@@ -44,10 +45,7 @@ class DecoderBlock(eqx.Module):
         self,
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
-        past: tuple[
-            Float[Array, "max_len kv_heads head_dim"], Float[Array, "max_len kv_heads head_dim"]
-        ]
-        | None = None,
+        past: BlockCache | None = None,
         *,
         kv_bound: Int[Array, ""] | None = None,
         kv_chunk: int = 256,

@@ -1,14 +1,18 @@
 """The static-shape key/value cache."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from ._config import DecoderConfig
 
 
 class KVCache(eqx.Module):
     """Keys (already rotated) and values of every block, one row per position.
+
+    The layout is heads-major, `(blocks, kv_heads, max_len, head_dim)`, so a chunk of rows
+    of one head is contiguous and attention reads it without a transpose.
 
     The shape is fixed at `max_len` rows, so code that takes a cache compiles once. Row
     `t` holds position `t`; a step at position `pos` attends to rows `0 .. pos - 1` plus
@@ -21,22 +25,55 @@ class KVCache(eqx.Module):
     is used with `jax.vmap`.
     """
 
-    keys: Float[Array, "*batch blocks max_len kv_heads head_dim"]
-    values: Float[Array, "*batch blocks max_len kv_heads head_dim"]
+    keys: Float[Array, "*batch blocks kv_heads max_len head_dim"]
+    values: Float[Array, "*batch blocks kv_heads max_len head_dim"]
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[-3]
+        return self.keys.shape[-2]
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the two arrays."""
         return int(self.keys.nbytes + self.values.nbytes)
 
+    def block(self, index: Int[Array, ""]) -> "BlockCache":
+        """A read-only view of one block's rows (for one sequence, no batch axis)."""
+        return BlockCache(keys=self.keys, values=self.values, index=index)
+
+
+class BlockCache(eqx.Module):
+    """One block's cached rows, read in place.
+
+    It holds the whole stacked cache and the block index, and slices only the rows asked
+    for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
+    copy the block's whole `max_len` rows at every step.
+    """
+
+    keys: Float[Array, "blocks kv_heads max_len head_dim"]
+    values: Float[Array, "blocks kv_heads max_len head_dim"]
+    index: Int[Array, ""]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[-2]
+
+    def rows(
+        self, start: Int[Array, ""] | int, size: int
+    ) -> tuple[Float[Array, "kv_heads size head_dim"], Float[Array, "kv_heads size head_dim"]]:
+        """Keys and values of rows `start .. start + size - 1` (`start` is not clamped by
+        the caller's contract: `start + size <= max_len`)."""
+        _, kv_heads, _, head_dim = self.keys.shape
+        zero = jnp.zeros((), jnp.int32)
+        index = (jnp.asarray(self.index, jnp.int32), zero, jnp.asarray(start, jnp.int32), zero)
+        shape = (1, kv_heads, size, head_dim)
+        take = lambda x: jax.lax.dynamic_slice(x, index, shape)[0]
+        return take(self.keys), take(self.values)
+
 
 def cache_shape(config: DecoderConfig) -> tuple[int, int, int, int]:
-    """`(blocks, max_len, kv_heads, head_dim)` for one sequence."""
-    return (config.n_blocks, config.max_len, config.n_kv_heads, config.head_dim)
+    """`(blocks, kv_heads, max_len, head_dim)` for one sequence."""
+    return (config.n_blocks, config.n_kv_heads, config.max_len, config.head_dim)
 
 
 def cache_nbytes(model_or_config, *, batch: int = 1, positions: int | None = None) -> int:

@@ -165,12 +165,14 @@ class RotaryDecoder(eqx.Module):
             run_block = eqx.filter_checkpoint(run_block)
 
         def body(x, xs):
-            block_arrays, past = xs
+            block_arrays, index = xs
+            # The whole cache is closed over and each block reads its rows in place.
+            past = None if cache is None else cache.block(index)
             x, k, v = run_block(block_arrays, x, past)
             return x, (k, v)
 
-        past = None if cache is None else (cache.keys, cache.values)
-        x, (keys, values) = jax.lax.scan(body, x, (dynamic, past))
+        indices = jnp.arange(self.config.n_blocks, dtype=jnp.int32)
+        x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices))
         x = norm_rows(self.final_norm, x)
         head = self.embed.T if self.head is None else self.head
         logits = x @ head
@@ -281,7 +283,7 @@ class RotaryDecoder(eqx.Module):
         if cache.keys.shape != expected or cache.values.shape != expected:
             raise ValueError(
                 f"cache has shape {cache.keys.shape} but this model needs {expected} "
-                "(blocks, max_len, kv_heads, head_dim); build it with model.init_cache()."
+                "(blocks, kv_heads, max_len, head_dim); build it with model.init_cache()."
             )
         if cache.keys.dtype != self.config.jnp_dtype or cache.values.dtype != self.config.jnp_dtype:
             raise ValueError(
@@ -298,8 +300,10 @@ def write_rows(
 ) -> KVCache:
     """A new cache with rows `pos .. pos + seq - 1` of every block replaced."""
     zero = jnp.zeros((), jnp.int32)
-    index = (zero, pos.astype(jnp.int32), zero, zero)
-    return KVCache(
-        keys=jax.lax.dynamic_update_slice(cache.keys, keys.astype(cache.keys.dtype), index),
-        values=jax.lax.dynamic_update_slice(cache.values, values.astype(cache.values.dtype), index),
-    )
+    index = (zero, zero, pos.astype(jnp.int32), zero)
+
+    def write(buffer, rows):
+        rows = jnp.transpose(rows, (0, 2, 1, 3)).astype(buffer.dtype)  # heads-major
+        return jax.lax.dynamic_update_slice(buffer, rows, index)
+
+    return KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))

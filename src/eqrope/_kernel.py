@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from ._cache import BlockCache
+
 
 # (running max, running sum, running weighted values), all float32.
 State = tuple[
@@ -34,18 +36,18 @@ def empty_state(kv_heads: int, group: int, seq: int, head_dim: int) -> State:
 
 
 def scores(
-    q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "rows kv_heads head_dim"]
+    q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "kv_heads rows head_dim"]
 ) -> Float[Array, "kv_heads group seq rows"]:
     """`q . k / sqrt(head_dim)` in float32."""
-    s = jnp.einsum("skgd,tkd->kgst", q, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("skgd,ktd->kgst", q, k, preferred_element_type=jnp.float32)
     return s * (1.0 / q.shape[-1] ** 0.5)
 
 
 def merge(
     state: State,
     q: Float[Array, "seq kv_heads group head_dim"],
-    k: Float[Array, "rows kv_heads head_dim"],
-    v: Float[Array, "rows kv_heads head_dim"],
+    k: Float[Array, "kv_heads rows head_dim"],
+    v: Float[Array, "kv_heads rows head_dim"],
     mask: Bool[Array, "#seq rows"],
 ) -> State:
     """Fold the rows `k, v` (where `mask`) into the running softmax `state`."""
@@ -57,7 +59,7 @@ def merge(
     p = jnp.exp(s - shift[..., None])
     correction = jnp.exp(m - shift)
     l = l * correction + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("kgst,tkd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l, acc * correction[..., None] + pv
 
 
@@ -70,8 +72,7 @@ def finish(state: State) -> Float[Array, "seq kv_heads group head_dim"]:
 def merge_cache(
     state: State,
     q: Float[Array, "seq kv_heads group head_dim"],
-    cache_k: Float[Array, "max_len kv_heads head_dim"],
-    cache_v: Float[Array, "max_len kv_heads head_dim"],
+    cache: BlockCache,
     n_valid: Int[Array, ""],
     *,
     kv_bound: Int[Array, ""] | None = None,
@@ -83,11 +84,11 @@ def merge_cache(
     skip into a select that runs every chunk, so a batched caller passes an unbatched
     bound (the largest `n_valid` of the batch).
     """
-    max_len = cache_k.shape[0]
+    max_len = cache.max_len
     kv_bound = n_valid if kv_bound is None else kv_bound
     if max_len <= kv_chunk:
         mask = jnp.arange(max_len, dtype=jnp.int32)[None, :] < n_valid
-        return merge(state, q, cache_k, cache_v, mask)
+        return merge(state, q, *cache.rows(0, max_len), mask)
     n_chunks = math.ceil(max_len / kv_chunk)
     offsets = jnp.arange(kv_chunk, dtype=jnp.int32)
 
@@ -97,11 +98,9 @@ def merge_cache(
         start = jnp.minimum(first, max_len - kv_chunk)
 
         def visit(state):
-            k = jax.lax.dynamic_slice_in_dim(cache_k, start, kv_chunk, axis=0)
-            v = jax.lax.dynamic_slice_in_dim(cache_v, start, kv_chunk, axis=0)
             rows = start + offsets
             mask = ((rows >= first) & (rows < n_valid))[None, :]
-            return merge(state, q, k, v, mask)
+            return merge(state, q, *cache.rows(start, kv_chunk), mask)
 
         return jax.lax.cond(first < kv_bound, visit, lambda s: s, state), None
 
