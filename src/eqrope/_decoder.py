@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._block import DecoderBlock
-from ._cache import KVCache, cache_shape
+from ._cache import KVCache, cache_shape, empty_cache, quantize_rows
 from ._checks import as_int_array, check_span, check_vocab
 from ._config import DecoderConfig, RopeScaling
 from ._init import uniform_weight
@@ -182,15 +182,15 @@ class RotaryDecoder(eqx.Module):
 
     # -- the cache protocol --------------------------------------------------------------
 
-    def init_cache(self, batch: int | None = None) -> KVCache:
-        """An empty cache of `max_len` rows (with a leading `batch` axis if given)."""
-        shape = cache_shape(self.config)
-        if batch is not None:
-            if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-                raise ValueError(f"batch must be a positive int or None, got {batch!r}.")
-            shape = (batch, *shape)
-        zeros = jnp.zeros(shape, self.config.jnp_dtype)
-        return KVCache(keys=zeros, values=zeros)
+    def init_cache(self, batch: int | None = None, *, dtype=None) -> KVCache:
+        """An empty cache of `max_len` rows (with a leading `batch` axis if given).
+
+        `dtype=None` stores keys and values in the model's dtype (exact); `dtype="int8"`
+        stores them as int8 with a float32 scale per row (see [`eqrope.KVCache`][]).
+        """
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+            raise ValueError(f"batch must be a positive int or None, got {batch!r}.")
+        return empty_cache(self.config, batch, dtype)
 
     def prefill(
         self,
@@ -285,10 +285,14 @@ class RotaryDecoder(eqx.Module):
                 f"cache has shape {cache.keys.shape} but this model needs {expected} "
                 "(blocks, kv_heads, max_len, head_dim); build it with model.init_cache()."
             )
-        if cache.keys.dtype != self.config.jnp_dtype or cache.values.dtype != self.config.jnp_dtype:
+        if cache.quantized:
+            ok = cache.keys.dtype == jnp.int8 and cache.key_scales.shape == expected[:-1]
+        else:
+            ok = cache.keys.dtype == self.config.jnp_dtype == cache.values.dtype
+        if not ok:
             raise ValueError(
-                f"cache has dtype {cache.keys.dtype} but the model uses {self.config.dtype}; "
-                "build it with model.init_cache()."
+                f"cache has dtype {cache.keys.dtype} but the model uses {self.config.dtype} "
+                "(or an int8 cache with scales); build it with model.init_cache()."
             )
 
 
@@ -300,10 +304,21 @@ def write_rows(
 ) -> KVCache:
     """A new cache with rows `pos .. pos + seq - 1` of every block replaced."""
     zero = jnp.zeros((), jnp.int32)
-    index = (zero, zero, pos.astype(jnp.int32), zero)
+    pos = pos.astype(jnp.int32)
+    heads_major = lambda rows: jnp.transpose(rows, (0, 2, 1, 3))
+    keys, values = heads_major(keys), heads_major(values)
 
     def write(buffer, rows):
-        rows = jnp.transpose(rows, (0, 2, 1, 3)).astype(buffer.dtype)  # heads-major
-        return jax.lax.dynamic_update_slice(buffer, rows, index)
+        return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), (zero, zero, pos, zero))
 
-    return KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
+    if not cache.quantized:
+        return KVCache(keys=write(cache.keys, keys), values=write(cache.values, values))
+    qk, sk = quantize_rows(keys)
+    qv, sv = quantize_rows(values)
+    scale_at = lambda buffer, s: jax.lax.dynamic_update_slice(buffer, s, (zero, zero, pos))
+    return KVCache(
+        keys=write(cache.keys, qk),
+        values=write(cache.values, qv),
+        key_scales=scale_at(cache.key_scales, sk),
+        value_scales=scale_at(cache.value_scales, sv),
+    )
