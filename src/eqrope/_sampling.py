@@ -33,16 +33,16 @@ def sample_token(
 
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0).astype(jnp.float32)
+    # One sort serves both filters: masking the sorted logits keeps them sorted.
     descending = jnp.sort(scaled)[::-1]
     kth = descending[jnp.clip(top_k, 1, vocab) - 1]
-    filtered = jnp.where(scaled >= kth, scaled, -jnp.inf)
-
-    descending = jnp.sort(filtered)[::-1]
+    descending = jnp.where(descending >= kth, descending, -jnp.inf)
     probs = jax.nn.softmax(descending)
     mass_before = jnp.cumsum(probs) - probs
     n_keep = jnp.sum(mass_before < top_p)
     threshold = descending[jnp.maximum(n_keep, 1) - 1]
-    filtered = jnp.where(filtered >= threshold, filtered, -jnp.inf)
+    # With top_p = 1 rounding can count a masked (-inf) entry as kept; kth still holds.
+    filtered = jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
 
     token = jax.random.categorical(key, filtered).astype(jnp.int32)
     logprob = jax.nn.log_softmax(filtered)[token]
