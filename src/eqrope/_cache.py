@@ -115,13 +115,14 @@ def cache_shape(config: DecoderConfig) -> tuple[int, int, int, int]:
 def empty_cache(config: DecoderConfig, batch: int | None = None, dtype=None) -> KVCache:
     """Zeros of `cache_shape(config)`; `dtype="int8"` adds float32 per-row scales."""
     shape = cache_shape(config) if batch is None else (batch, *cache_shape(config))
+    # Separate buffers for each field, so that the cache can be donated.
     if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
-        zeros = jnp.zeros(shape, config.jnp_dtype)
-        return KVCache(keys=zeros, values=zeros)
+        zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
+        return KVCache(keys=zeros(), values=zeros())
     if jnp.dtype(dtype) == jnp.int8:
-        q = jnp.zeros(shape, jnp.int8)
-        s = jnp.ones(shape[:-1], jnp.float32)
-        return KVCache(keys=q, values=q, key_scales=s, value_scales=s)
+        q = lambda: jnp.zeros(shape, jnp.int8)
+        s = lambda: jnp.ones(shape[:-1], jnp.float32)
+        return KVCache(keys=q(), values=q(), key_scales=s(), value_scales=s())
     raise ValueError(
         f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
     )

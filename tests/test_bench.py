@@ -1,0 +1,222 @@
+"""bench/kv_cache.py in its tiny mode: every key present, every figure consistent.
+
+Timings are never asserted; the checks compare each derived figure with the raw ones it
+comes from, and the byte counts with a hand computation from the model's sizes.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def load(name: str):
+    """Import a bench/ module by path (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kv_cache")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "kv_cache.py"), "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "kv_cache_cpu.json").read_text())
+    return out, data, proc.stdout
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def check_timing(t, repeats=None):
+    assert set(t) >= {"first_s", "first_compile", "median_s", "min_s", "max_s", "times_s"}
+    if repeats is not None:
+        assert len(t["times_s"]) == repeats == t["repeats"]
+    assert close(t["median_s"], statistics.median(t["times_s"]))
+    assert t["min_s"] == min(t["times_s"]) and t["max_s"] == max(t["times_s"])
+    assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+    assert set(t["first_compile"]) == {"trace_s", "lower_s", "compile_s"}
+
+
+def test_seed_keys_and_consistency(run):
+    _, data, _ = run
+    # The seed's reader: d['cache']['median_s'], d['no_cache']['median_s'], d['speedup_median'].
+    for path in ("cache", "no_cache"):
+        check_timing(data[path], repeats=1)
+    assert close(data["speedup_median"], data["no_cache"]["median_s"] / data["cache"]["median_s"])
+    seed = data["seed"]
+    assert seed["identical_tokens"] is True
+    assert seed["params"] == 139_777  # the seed page's count for (65, 64, 4, 2, 256)
+    assert seed["prompt"] == list(range(8))
+    assert seed["tokens"][:8] == list(range(8))
+    assert len(seed["tokens"]) == 8 + seed["max_new"]
+    # Texts of 8 .. 8 + max_new - 1 tokens, padded to powers of two of at least 16.
+    assert seed["uncached_path"]["padded_widths"] == [16]
+    assert "every token" in seed["uncached_path"]["how"]
+
+
+def test_growth(run):
+    _, data, _ = run
+    g = data["growth"]
+    assert g["n"] == data["sizes"]["growth_n"]
+    for n in g["n"]:
+        check_timing(g["cached"][str(n)])
+    for n, t in g["uncached"].items():
+        check_timing(t)
+        assert g["identical_tokens"][n] is True
+        assert close(g["speedup"][n], t["median_s"] / g["cached"][n]["median_s"])
+    r = g["ratio_hi_lo"]
+    assert r["hi"] == max(g["n"]) == 2 * r["lo"]
+    assert close(r["cached"], g["cached"][str(r["hi"])]["median_s"] / g["cached"][str(r["lo"])]["median_s"])
+    assert close(r["uncached"], g["uncached"][str(r["hi"])]["median_s"]
+                 / g["uncached"][str(r["lo"])]["median_s"])
+
+
+def test_prefill_and_batch(run):
+    _, data, _ = run
+    for length, p in data["prefill"]["by_length"].items():
+        for key in ("prefill", "token_by_token_scan", "token_by_token_loop"):
+            check_timing(p[key])
+        assert p["same_first_token"] is True
+        one = p["prefill"]["median_s"]
+        assert close(p["speedup_scan"], p["token_by_token_scan"]["median_s"] / one)
+        assert close(p["speedup_loop"], p["token_by_token_loop"]["median_s"] / one)
+        assert close(p["speedup_best"], min(p["speedup_scan"], p["speedup_loop"]))
+    b = data["batch"]
+    assert [int(k) for k in b["by_batch"]] == b["batches"]
+    for batch, row in b["by_batch"].items():
+        check_timing(row)
+        assert row["new_tokens"] == int(batch) * b["new_per_row"]
+        assert close(row["tokens_per_s"], row["new_tokens"] / row["median_s"])
+
+
+def test_cache_memory_by_hand(run):
+    _, data, _ = run
+    memory = data["cache_memory"]
+    names = [r["name"] for r in memory["configurations"]]
+    assert names[:3] == ["seed", "growth", "growth, int8 cache"]
+    for r in memory["configurations"]:
+        assert r["formula_nbytes"] == r["arrays_nbytes"]
+        rows = 2 * r["batch"] * r["blocks"] * r["max_len"] * r["kv_heads"]
+        if r["cache_dtype"] == "int8":  # one byte per element and a float32 scale per row
+            assert r["arrays_nbytes"] == rows * (r["head_dim"] + 4)
+        else:
+            assert r["arrays_nbytes"] == rows * r["head_dim"] * 4
+    seed = memory["configurations"][0]
+    # 2 (keys, values) x 2 blocks x 256 rows x 4 heads x 16 dims x 4 bytes.
+    assert seed["arrays_nbytes"] == 2 * 2 * 256 * 4 * 16 * 4 == 262_144
+    assert seed["weights_nbytes"] == 4 * data["seed"]["params"]
+    tiny = data["sizes"]["growth"]
+    head_dim = tiny["d_model"] // tiny["n_heads"]
+    assert memory["exercise_3_nbytes"] == 2 * tiny["n_blocks"] * 512 * tiny["n_heads"] * head_dim * 4
+
+
+def test_step_and_roofline(run):
+    _, data, _ = run
+    s = data["step_vs_max_len"]
+    assert [int(k) for k in s["by_max_len"]] == s["max_lens"]
+    for row in s["by_max_len"].values():
+        check_timing(row)
+    r = s["ratio_hi_lo"]
+    assert close(r["ratio"], s["by_max_len"][str(r["hi"])]["median_s"]
+                 / s["by_max_len"][str(r["lo"])]["median_s"])
+    profile = s["hlo_full_cache_ops"]
+    assert profile["max_len"] == r["hi"] and profile["count"] == len(profile["instructions"])
+
+    ro = data["roofline"]
+    tiny = data["sizes"]["growth"]
+    head_dim = tiny["d_model"] // tiny["n_heads"]
+    assert ro["cache_row_nbytes"] == 2 * tiny["n_blocks"] * tiny["n_heads"] * head_dim * 4
+    assert ro["weights_nbytes"] == 4 * data["growth"]["params"]
+    assert ro["bytes_per_step"] == ro["weights_nbytes"] + (ro["pos"] + 1) * ro["cache_row_nbytes"]
+    assert ro["step_median_s"] == s["by_max_len"][str(tiny["max_len"])]["median_s"]
+    assert close(ro["achieved_bytes_per_s"], ro["bytes_per_step"] / ro["step_median_s"])
+    assert close(ro["fraction"], ro["achieved_bytes_per_s"] / ro["machine_bytes_per_s"])
+    copy = ro["memory_copy"]
+    assert close(copy["bytes_per_s"], 2 * copy["array_nbytes"] / copy["best_s"])
+    assert copy["best_s"] == min(copy["times_s"])
+    small = ro["memory_copy_step_working_set"]
+    assert abs(2 * small["array_nbytes"] - ro["bytes_per_step"]) <= 8  # source + destination
+    assert close(ro["fraction_vs_step_working_set_copy"], ro["achieved_bytes_per_s"] / small["bytes_per_s"])
+    assert close(ro["fraction_fastest_step"],
+                 ro["bytes_per_step"] / s["by_max_len"][str(tiny["max_len"])]["min_s"]
+                 / ro["machine_bytes_per_s"])
+
+
+def test_targets_and_outputs(run):
+    out, data, stdout = run
+    assert data["mode"] == "tiny"
+    machine = data["machine"]
+    for key in ("cpu_model", "cpu_count", "python", "jax", "jaxlib", "equinox", "numpy", "date",
+                "backend", "cpu_caches"):
+        assert machine[key] not in (None, "")
+    ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
+    assert len(data["targets"]) == 6
+    for t in data["targets"]:
+        op, bound = t["target"].split()
+        if t["measured"] is None:
+            assert t["met"] is None
+        else:
+            assert t["met"] is ops[op](t["measured"], float(bound))
+    assert data["targets"][0]["measured"] == data["speedup_median"]
+    for path in data["figures"]:
+        assert pathlib.Path(path).parent == out
+        assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "seed protocol" in stdout and "targets:" in stdout
+    assert sum(data["section_wall_s"].values()) <= data["wall_s"] + 1e-6
+
+
+def test_time_call_counts_calls():
+    timing = load("_timing")
+    calls = []
+
+    def fn():
+        calls.append(None)
+        return len(calls)
+
+    t = timing.time_call(fn, repeats=3, warmup=2)
+    assert len(calls) == 5 and t["result"] == 5 and len(t["times_s"]) == 3
+    calls.clear()
+    t = timing.time_call(fn, repeats=3, warmup=0)  # the first call is the first repeat
+    assert len(calls) == 3 and t["times_s"][0] == t["first_s"]
+    with pytest.raises(ValueError, match="repeats"):
+        timing.time_call(fn, repeats=0)
+    assert "result" not in timing.without_result(t)
+
+
+def test_full_cache_ops_reads_hlo(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # as when it runs as a script: _timing beside it
+    bench = load("kv_cache")
+    hlo = "\n".join([
+        "%fused_computation.1 (p: f32[4,512,2,8]) -> f32[512,2,8] {",
+        "  %dynamic_slice.1 = f32[1,512,2,8]{3,2,1,0} dynamic-slice(%p, %i), metadata={}",
+        "}",
+        "ENTRY %main.3 (cache: f32[4,512,2,8]) -> f32[4,512,2,8] {",
+        "  %cache = f32[4,512,2,8]{3,2,1,0} parameter(0)",
+        '  %copy_fusion = f32[512,2,8]{2,1,0} fusion(%cache), kind=kLoop, metadata={op_name="jit(step)/slice"}',
+        "  ROOT %dynamic-update-slice_fusion = f32[4,512,2,8]{3,2,1,0} fusion(%cache, %x), kind=kLoop",
+        "  %small = f32[2,8]{1,0} fusion(%cache)",
+        "}",
+    ])
+    ops = bench.full_cache_ops(hlo, 512)
+    assert [o["instruction"] for o in ops] == ["copy_fusion", "dynamic-update-slice_fusion"]
+    assert [o["in_place_update"] for o in ops] == [False, True]
+    assert ops[0]["nbytes"] == 512 * 2 * 8 * 4 and ops[0]["source"] == "jit(step)/slice"
