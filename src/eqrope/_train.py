@@ -31,7 +31,8 @@ def cross_entropy(
 
 def init_optimizer(optimizer: optax.GradientTransformation, model) -> PyTree:
     """The optimiser state for the model's floating-point arrays."""
-    return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    with jax.numpy_dtype_promotion("standard"):
+        return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
 
 
 def make_train_step(
@@ -49,7 +50,10 @@ def make_train_step(
     def train_step(model, opt_state, *batch):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, *batch)
         params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        # optax mixes Python and array scalars (e.g. adam's `b1 ** count`), which JAX's
+        # strict dtype promotion refuses; eqrope's own code runs strict.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
         model = eqx.apply_updates(model, updates)
         return model, opt_state, loss
 
