@@ -67,7 +67,7 @@ def apply_rope(
     **Arguments:**
 
     - `x`: queries or keys, one row per position.
-    - `positions`: the integer position of each row (any integer dtype).
+    - `positions`: the integer position of each row (any signed integer dtype).
     - `inv_freq`: the rates from [`eqrope.rope_inv_freq`][].
 
     **Returns:** the rotated `x`, same shape and dtype.
