@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 from ._cache import KVCache
 from ._checks import as_int_array, is_concrete
 from ._sampling import sample_token
+from ._sharding import constrain, shard_batch
 
 
 # How many times the cached program has been traced (read by the tests). It grows by one
@@ -57,6 +58,8 @@ def generate(
     pad_id: int | None = None,
     return_logprobs: bool = False,
     prefill_chunk: int = 64,
+    mesh=None,
+    rules=None,
 ):
     """Generate up to `max_new` tokens after `prompt`.
 
@@ -83,6 +86,12 @@ def generate(
     - `return_logprobs`: return a [`eqrope.Generation`][] with log-probabilities.
     - `prefill_chunk`: the prompt is prefilled in chunks of this many tokens; only chunks
       that hold prompt tokens run.
+    - `mesh`, `rules`: run a model placed with `eqrope.shard(model, mesh, rules)` on that
+      device mesh (cached path only). The prompt rows, their lengths and keys are placed
+      on the `batch` rule's mesh axis, and the cache is held with the sharding
+      `eqrope.shard` gives a cache (by default batch on `"data"`, key/value heads on
+      `"model"`); the results are replicated so every process can read them. The tokens
+      are those of one device, and the program compiles once per mesh and rules.
 
     **Returns:** token ids of shape `(total,)` or `(batch, total)`, with
     `total = min(seq + max_new, max_len)`: each row holds its prompt (its first
@@ -97,11 +106,8 @@ def generate(
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, max_len, vocab)
     max_new = _check_max_new(max_new)
     temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, key, vocab)
-    if eos_id is not None and (
-        isinstance(eos_id, bool) or not isinstance(eos_id, int) or eos_id < 0
-        or (vocab is not None and eos_id >= vocab)
-    ):
-        raise ValueError(f"eos_id must be a token id in [0, vocab_size), got {eos_id!r}.")
+    eos_id = _check_token_id(eos_id, "eos_id", vocab)
+    pad_id = _check_token_id(pad_id, "pad_id", vocab)
     if pad_id is None:
         pad_id = 0 if eos_id is None else eos_id
     batch, seq = prompt.shape
@@ -113,11 +119,15 @@ def generate(
     )
     eos = jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32)
 
+    if rules is not None and mesh is None:
+        raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
     if has_cache_protocol(model):
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}.")
         buffer = np.zeros((batch, max_len), np.int32)
         buffer[:, :seq] = np.asarray(prompt)
+        if mesh is not None:
+            buffer, lengths, keys = shard_batch((buffer, lengths, keys), mesh, rules)
         tokens, logprobs, ends = _generate_cached(
             model,
             buffer,
@@ -127,7 +137,11 @@ def generate(
             keys,
             eos,
             chunk=min(prefill_chunk, max_len),
+            mesh=mesh,
+            rules=rules,
         )
+    elif mesh is not None:
+        raise ValueError("mesh is only for models with the cache protocol.")
     else:
         tokens, logprobs, ends = _generate_uncached(
             model, prompt, lengths, max_new, *settings, keys, eos, max_len
@@ -165,12 +179,16 @@ def _generate_cached(
     eos: Int[Array, ""],
     *,
     chunk: int,
+    mesh=None,
+    rules=None,
 ):
-    """Prefill, then decode, as one program. Everything but `chunk` and shapes is traced."""
+    """Prefill, then decode, as one program. Everything but `chunk`, `mesh`, `rules` and
+    shapes is traced. With a `mesh`, the batched cache is pinned to the sharding
+    `eqrope.shard` gives a cache, and the results are replicated."""
     global _TRACES
     _TRACES += 1
     batch, max_len = buffer.shape
-    cache, logits = _prefill(model, buffer, lengths, chunk)
+    cache, logits = _prefill(model, buffer, lengths, chunk, mesh, rules)
 
     def decode(carry):
         cache, logits, pos, n_new, done, tokens, logprobs = carry
@@ -191,7 +209,7 @@ def _generate_cached(
             # furthest position (a batched one would make the skip a select).
             step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
             logits, cache = jax.vmap(step)(tok, cache, step_pos)
-            return cache, logits.astype(jnp.float32)
+            return constrain(cache, mesh, rules), logits.astype(jnp.float32)
 
         cache, logits = jax.lax.cond(jnp.any(~finished), advance, lambda s: s, (cache, logits))
         pos = jnp.where(done, pos, pos + 1)
@@ -206,10 +224,13 @@ def _generate_cached(
     carry = (cache, logits, lengths, zeros, done, buffer, jnp.zeros((batch, max_len), jnp.float32))
     carry, _ = jax.lax.scan(body, carry, None, length=max_len - 1)
     _, _, ends, _, _, tokens, logprobs = carry
-    return tokens, logprobs, ends
+    # Replicated (plain arrays under `constrain`), so every process can read them.
+    return constrain((tokens, logprobs, ends), mesh, rules)
 
 
-def _prefill(model, buffer, lengths, chunk: int) -> tuple[KVCache, Float[Array, "batch vocab"]]:
+def _prefill(
+    model, buffer, lengths, chunk: int, mesh=None, rules=None
+) -> tuple[KVCache, Float[Array, "batch vocab"]]:
     """Prefill every row in chunks; only chunks that start before the longest prompt run.
 
     The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
@@ -218,6 +239,7 @@ def _prefill(model, buffer, lengths, chunk: int) -> tuple[KVCache, Float[Array, 
     batch, max_len = buffer.shape
     single = model.init_cache()
     cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), single)
+    cache = constrain(cache, mesh, rules)
     vocab = getattr(model, "vocab_size")
     n_chunks = math.ceil(max_len / chunk)
     longest = jnp.max(lengths)
@@ -347,6 +369,16 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
     return batched, prompt, lengths
 
 
+def _check_token_id(value, name: str, vocab):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int token id or None, got {value!r}.")
+    if value < 0 or (vocab is not None and value >= vocab):
+        raise ValueError(f"{name} must be a token id in [0, vocab_size={vocab}), got {value}.")
+    return int(value)
+
+
 def _check_max_new(max_new):
     if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)):
         raise TypeError(f"max_new must be an int, got {max_new!r}.")
@@ -368,8 +400,12 @@ def _check_sampling(temperature, top_k, top_p, key, vocab):
         raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}.")
     if top_p is None:
         top_p = 1.0
-    elif not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+    elif (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, (int, float, np.integer, np.floating))
+        or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}.")
     return temperature, top_k, top_p
 
 

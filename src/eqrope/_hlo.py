@@ -1,0 +1,131 @@
+"""Which collectives a compiled program runs, and over which mesh axes.
+
+Reads the text of a compiled XLA program (`jax.jit(f).lower(...).compile().as_text()`) and
+counts each collective instruction by the mesh axes its replica groups span, so a test or
+a reader can check, say, that a data-parallel train step all-reduces its gradients over
+`"data"` and nothing else.
+"""
+
+import re
+from collections import Counter
+
+import numpy as np
+
+
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_OPCODE = re.compile(r"([a-z][\w-]*)\(")
+
+
+def _opcode(line: str) -> str | None:
+    """The opcode of one HLO instruction `%name = shape opcode(operands), ...`."""
+    _, sep, rest = line.partition(" = ")
+    if not sep:
+        return None
+    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for i, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                rest = rest[i + 1 :]
+                break
+    else:
+        rest = rest.partition(" ")[2]
+    found = _OPCODE.match(rest.lstrip())
+    return None if found is None else found.group(1)
+
+
+def hlo_collectives(hlo_text: str, mesh) -> Counter:
+    """Count the collectives of a compiled program by the mesh axes they communicate over.
+
+    **Arguments:**
+
+    - `hlo_text`: the compiled program's text, e.g.
+      `jax.jit(f).lower(*args).compile().as_text()` (for an `eqx.filter_jit` function,
+      `f.lower(*args).compile().compiled.as_text()`).
+    - `mesh`: the mesh the program runs on (a `Mesh` or `AbstractMesh`).
+
+    **Returns:** a `collections.Counter` keyed by `(op, axes)`, e.g.
+    `("all-reduce", ("data",))` for a gradient all-reduce over the data axis, where
+    `axes` are the mesh axes along which the devices of one group differ. Groups the
+    parser cannot read count under `axes = ("?",)`.
+    """
+    names = tuple(mesh.axis_names)
+    shape = tuple(mesh.shape[n] for n in names)
+    counts = Counter()
+    for line in hlo_text.splitlines():
+        op = _opcode(line)
+        op = op.removesuffix("-start") if op is not None else None
+        if op not in _COLLECTIVES:
+            continue
+        groups = _device_groups(line, int(np.prod(shape)))
+        if groups is None:
+            axes = ("?",)
+        else:
+            axes = _varying_axes(groups, names, shape)
+        counts[(op, axes)] += 1
+    return counts
+
+
+def _device_groups(line: str, n_devices: int) -> list[list[int]] | None:
+    """The groups of devices of one collective, from any of XLA's three spellings."""
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if pairs is not None:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    listed = re.search(r"replica_groups=\{(\{[\d,{}]*\}|)\}", line)
+    if listed is not None:
+        groups = [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+        return groups if groups else [list(range(n_devices))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota is not None:
+        n_groups, size = int(iota.group(1)), int(iota.group(2))
+        return _iota(iota.group(3), iota.group(4)).reshape(n_groups, size).tolist()
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", line
+    )
+    if named is not None:
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        sizes = [int(s) for _, s in axes]
+        ids = _device_ids(named.group(2), int(np.prod(sizes)))
+        if ids is None:
+            return None
+        grid = ids.reshape(sizes)
+        chosen = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in named.group(3)]
+        rest = [i for i in range(len(axes)) if i not in chosen]
+        grid = np.transpose(grid, rest + chosen)
+        return grid.reshape(-1, int(np.prod([sizes[i] for i in chosen]))).tolist()
+    return None
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    if perm:
+        ids = np.transpose(ids, [int(p) for p in perm.split(",")])
+    return ids.reshape(-1)
+
+
+def _device_ids(spelled: str | None, n: int) -> np.ndarray | None:
+    if spelled is None:
+        return np.arange(n)
+    iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spelled.strip())
+    if iota is not None:
+        return _iota(iota.group(1), iota.group(2))
+    if re.fullmatch(r"[\d,\s]+", spelled):
+        return np.array([int(v) for v in spelled.split(",")])
+    return None
+
+
+def _varying_axes(groups, names, shape) -> tuple[str, ...]:
+    """The mesh axes along which the devices of the groups differ (mesh order)."""
+    varying = set()
+    for group in groups:
+        coords = np.array([np.unravel_index(d, shape) for d in group])
+        varying |= {names[i] for i in range(len(names)) if len(set(coords[:, i])) > 1}
+    return tuple(n for n in names if n in varying)

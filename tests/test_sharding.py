@@ -1,0 +1,390 @@
+"""Sharding rules, placement and the HLO collective counter; multi-device runs in a subprocess.
+
+The in-process tests plan placements on an `AbstractMesh` of shape (data=2, model=4), so
+they need no devices. The `multidevice` tests run `tests/multidevice_checks.py` once with
+8 virtual CPU devices (the count is fixed when JAX starts) and assert on its JSON report:
+sharded training and generation against one device, shardings and collectives.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+import eqrope
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MESH = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+SIZES = dict(vocab_size=256, d_model=64, n_heads=8, n_blocks=2, max_len=32)
+
+
+def abstract_decoder(*sizes, **options):
+    """A decoder's structure and shapes, without computing its arrays."""
+    return jax.eval_shape(lambda: eqrope.RotaryDecoder(*sizes, **options, key=jax.random.key(0)))
+
+
+def abstract_model(**options):
+    return abstract_decoder(*SIZES.values(), **options)
+
+
+def spec(sharding) -> tuple:
+    entries = list(sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+# -- planning on an abstract mesh ----------------------------------------------------------
+
+
+def test_default_rules_place_megatron_style():
+    plan = eqrope.shardings(abstract_model(n_kv_heads=4, d_ff=96, bias=True), MESH)
+    attn, mlp = plan.blocks.attn, plan.blocks.mlp
+    assert spec(plan.embed) == ("model",)  # vocab rows
+    assert spec(plan.head) == (None, "model")  # vocab columns
+    assert spec(plan.head_bias) == ("model",)
+    assert spec(attn.wqkv) == (None, None, "model")  # (blocks, d_model, qkv)
+    assert spec(attn.bqkv) == (None, "model")
+    assert spec(attn.wo) == (None, "model")  # heads * head_dim rows
+    assert spec(mlp.w_gate_up) == (None, None, "model")
+    assert spec(mlp.w_down) == (None, "model")
+    for replicated in (attn.bo, mlp.b_down, plan.blocks.attn_norm.weight, plan.final_norm.weight):
+        assert spec(replicated) == ()
+
+
+def test_other_layouts_and_changed_rules():
+    model = abstract_model(mlp="gelu", positions="learned", norm="layer", tie_embeddings=True, bias=True)
+    plan = eqrope.shardings(model, MESH)
+    assert plan.head is None
+    assert spec(plan.pos_embed) == ()
+    assert spec(plan.blocks.mlp.w_in) == (None, None, "model")
+    assert spec(plan.blocks.mlp.b_in) == (None, "model")
+    assert spec(plan.blocks.mlp.w_out) == (None, "model")
+    assert spec(plan.blocks.attn_norm.bias) == ()
+    # d_model on "model" and vocab replicated: the embedding's columns are split instead.
+    rules = eqrope.ShardingRules(vocab=None, d_model="model", heads=None, kv_heads=None, d_ff=None)
+    plan = eqrope.shardings(model, MESH, rules)
+    assert spec(plan.embed) == (None, "model")
+    assert spec(plan.blocks.attn.wqkv) == (None, "model")
+    # A rule may name several mesh axes: the batch over all 8 devices.
+    cache = jax.eval_shape(lambda: eqrope.RotaryDecoder(**SIZES, key=jax.random.key(0)).init_cache(8))
+    rules = eqrope.ShardingRules(batch=("data", "model"), heads=None, kv_heads=None)
+    assert spec(eqrope.shardings(cache, MESH, rules).keys) == (("data", "model"),)
+
+
+def test_fused_qkv_replicates_when_kv_heads_do():
+    """Multi-query attention: one kv head cannot be split, so the fused columns are not."""
+    model = abstract_model(n_kv_heads=1)
+    with pytest.raises(ValueError, match=r"'kv_heads' dimension \(1\).*mesh axis 'model' \(4"):
+        eqrope.shardings(model, MESH)
+    plan = eqrope.shardings(model, MESH, eqrope.ShardingRules(kv_heads=None))
+    assert spec(plan.blocks.attn.wqkv) == ()
+    assert spec(plan.blocks.attn.wo) == (None, "model")
+
+
+def test_cache_and_optimizer_state_follow_the_model():
+    model = abstract_model(n_kv_heads=4)
+    cache = jax.eval_shape(lambda: model.init_cache(2))
+    plan = eqrope.shardings(cache, MESH)
+    # (batch, blocks, kv_heads, max_len, head_dim): batch 2 on data, 4 kv heads on model.
+    split = {axis: size for size, axis in zip(cache.keys.shape, plan.keys.spec) if axis}
+    assert split == {"data": 2, "model": 4}
+    single = eqrope.shardings(jax.eval_shape(model.init_cache), MESH)
+    assert "data" not in spec(single.keys) and "model" in spec(single.keys)
+
+    state = jax.eval_shape(
+        lambda: eqrope.init_optimizer(
+            optax.adam(1e-3), eqrope.RotaryDecoder(**SIZES, n_kv_heads=4, key=jax.random.key(0))
+        )
+    )
+    plan = eqrope.shardings(state, MESH)
+    params = eqrope.shardings(model, MESH)
+    assert spec(plan[0].mu.blocks.attn.wqkv) == spec(params.blocks.attn.wqkv)
+    assert spec(plan[0].nu.embed) == spec(params.embed)
+    assert spec(plan[0].count) == ()
+
+
+def test_indivisible_rules_name_the_dimension_and_the_mesh_axis():
+    with pytest.raises(ValueError, match=r"'heads' dimension \(2\).*'model' \(4 devices\)"):
+        eqrope.shardings(abstract_decoder(256, 64, 2, 2, 32), MESH)
+    with pytest.raises(ValueError, match=r"'d_ff' dimension \(90\).*ShardingRules\(d_ff=None\)"):
+        eqrope.shardings(abstract_model(d_ff=90), MESH)
+    with pytest.raises(ValueError, match=r"'vocab' dimension \(250\)"):
+        eqrope.shardings(abstract_decoder(250, 64, 8, 2, 32), MESH)
+    cache = jax.eval_shape(lambda: eqrope.RotaryDecoder(**SIZES, key=jax.random.key(0)).init_cache(3))
+    with pytest.raises(ValueError, match=r"'batch' dimension \(3\).*mesh axis 'data' \(2"):
+        eqrope.shardings(cache, MESH)
+    with pytest.raises(ValueError, match="two of its dimensions"):
+        eqrope.shardings(abstract_model(), MESH, eqrope.ShardingRules(d_model="model"))
+
+
+def test_mesh_and_rule_errors():
+    with pytest.raises(ValueError, match="mesh axis 'model'.*mesh has axes \\('data',\\)"):
+        eqrope.shardings(abstract_model(), AbstractMesh((8,), ("data",), axis_types=(AxisType.Auto,)))
+    explicit = AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with pytest.raises(TypeError, match="AxisType.Auto"):
+        eqrope.shardings(abstract_model(), explicit)
+    with pytest.raises(TypeError, match="heads"):
+        eqrope.ShardingRules(heads=4)
+    with pytest.raises(TypeError, match="ShardingRules.batch"):
+        eqrope.ShardingRules(batch=())
+
+
+def test_one_device_mesh_places_like_no_mesh():
+    mesh = eqrope.make_mesh()
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    model = eqrope.RotaryDecoder(64, 16, 2, 1, 8, key=jax.random.key(0))
+    placed = eqrope.shard(model, mesh)
+    assert placed.embed.sharding.mesh == mesh
+    assert jnp.array_equal(placed.embed, model.embed)
+    ids = eqrope.shard_batch(jnp.arange(16, dtype=jnp.int32).reshape(2, 8), mesh)
+    assert ids.sharding.spec[0] == "data"
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        eqrope.make_mesh(data=2, model=4)
+
+
+def test_generate_mesh_needs_the_cache_protocol_and_rules_need_a_mesh():
+    class Uncached:
+        max_len = 8
+
+        def __call__(self, ids):
+            return jnp.zeros((ids.shape[0], 4), jnp.float32)
+
+    with pytest.raises(ValueError, match="cache protocol"):
+        eqrope.generate(Uncached(), jnp.zeros((3,), jnp.int32), 2, mesh=eqrope.make_mesh())
+    with pytest.raises(ValueError, match="pass mesh="):
+        eqrope.generate(Uncached(), jnp.zeros((3,), jnp.int32), 2, rules=eqrope.ShardingRules())
+
+
+# -- the collective counter, on hand-written HLO -------------------------------------------
+
+# Devices 0..7 of a (data=2, model=4) mesh: device d sits at (d // 4, d % 4).
+HLO = """
+%a = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+%b = f32[8,8]{1,0} all-gather(%x), channel_id=2, replica_groups=[2,4]<=[8], dimensions={1}
+%c = f32[] all-reduce(%y), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add
+%d = f32[4]{0} collective-permute(%z), channel_id=4, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+%e = (f32[1,4]{1,0}, f32[1,4]{1,0}) all-to-all(%p, %q), channel_id=5, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, metadata={op_name="x"}
+%f = f32[2]{0} reduce-scatter(%w), channel_id=6, replica_groups={}, dimensions={0}, to_apply=%add
+%g = f32[8]{0} all-reduce-start(%x), channel_id=7, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+%h = f32[8]{0} all-reduce-done(%g)
+%i = f32[8]{0} all-reduce(%x), channel_id=8, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add
+%j = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused, metadata={op_name="all-reduce(x)"}
+%k = f32[8]{0} all-gather(%x), channel_id=9, replica_groups=unreadable, dimensions={0}
+"""
+
+
+def test_hlo_collectives_reads_every_spelling():
+    # Worked by hand: {0,4}: data; [2,4]<=[8] = {0,1,2,3},{4,5,6,7}: model;
+    # [4,2]<=[2,4]T(1,0) = {0,4},{1,5},..: data; pairs 0->1..3->0: model; device_ids
+    # [0,4,1,5,2,6,3,7] on a (4,1,2) grid, groups over axis_0 = {0,1,2,3},{4,5,6,7}: model;
+    # {} = all devices; {0,1},{2,3},..: model; a (2,4) grid over axis_0 = {0,4},..: data.
+    assert eqrope.hlo_collectives(HLO, MESH) == Counter(
+        {
+            ("all-reduce", ("data",)): 3,
+            ("all-gather", ("model",)): 1,
+            ("collective-permute", ("model",)): 1,
+            ("all-to-all", ("model",)): 1,
+            ("reduce-scatter", ("data", "model")): 1,
+            ("all-reduce", ("model",)): 1,
+            ("all-gather", ("?",)): 1,
+        }
+    )
+
+
+# -- 8 virtual devices, in a subprocess ----------------------------------------------------
+
+
+SCRIPT = str(ROOT / "tests" / "multidevice_checks.py")
+
+
+def cpu_env(devices: int) -> dict:
+    """`devices` virtual CPU devices. LLVM's optimisations are turned down, which halves
+    compile time; XLA's own passes (SPMD partitioning, collectives) are unchanged, and
+    both sides of every comparison are compiled alike."""
+    env = dict(os.environ)
+    flags = (
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    )
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def parse(stdout: str) -> dict:
+    """The `RESULT {json}` line of the checks script."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, stdout[-2000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def reference_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("sharding") / "reference.npz"
+
+
+@pytest.fixture(scope="module")
+def report(reference_file):
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--save", str(reference_file)],
+        env=cpu_env(8),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = parse(proc.stdout)
+    assert result["devices"] == 8
+    return result
+
+
+@pytest.mark.multidevice
+def test_sharded_train_step_equals_one_device(report):
+    runs = report["training"]
+    assert set(runs) == {
+        f"data={d},model={m},remat={r}" for d, m in ((2, 4), (8, 1)) for r in (False, True)
+    }
+    for name, run in runs.items():
+        for quantity in ("loss", "grads", "weights", "loss_step2", "weights_step2"):
+            assert run[quantity] <= 1e-5, (name, quantity, run[quantity])
+        assert run["grads_size"] > 1e-3  # the gradients compared are not all zero
+        assert run["same_shardings"], name  # the step returns what it was given
+        assert run["loss_spec"] == "()"
+        assert not any("over ?" in key for key in run["collectives"]), run["collectives"]
+    for remat in (False, True):
+        tensor = runs[f"data=2,model=4,remat={remat}"]
+        # Gradients are summed over the data axis; the row-parallel matmuls (wo, w_down)
+        # and the vocabulary-split softmax reduce over the model axis.
+        assert tensor["collectives"]["all-reduce over data"] >= 1
+        assert tensor["collectives"]["all-reduce over model"] >= 4
+        # Each device holds its quarter of wqkv, (blocks, d_model, 128 / 4), never all of it.
+        assert tensor["local_wqkv"] and not tensor["global_wqkv"]
+        # Pure data parallelism: replicated weights, only all-reduces over data.
+        data = runs[f"data=8,model=1,remat={remat}"]
+        assert set(data["collectives"]) == {"all-reduce over data"}
+
+
+@pytest.mark.multidevice
+def test_parameter_and_optimizer_shardings(report):
+    # n_heads=8, n_kv_heads=4, head_dim=8, d_ff=96, vocab=256: the global size of each
+    # dimension split over "model".
+    qkv = (8 + 2 * 4) * 8
+    assert report["param_sizes"] == {
+        ".embed": {"model": 256},
+        ".blocks.attn_norm.weight": {},
+        ".blocks.attn.wqkv": {"model": qkv},
+        ".blocks.attn.wo": {"model": 8 * 8},
+        ".blocks.attn.bqkv": {"model": qkv},
+        ".blocks.attn.bo": {},
+        ".blocks.mlp_norm.weight": {},
+        ".blocks.mlp.w_gate_up": {"model": 2 * 96},
+        ".blocks.mlp.w_down": {"model": 96},
+        ".blocks.mlp.b_gate_up": {"model": 2 * 96},
+        ".blocks.mlp.b_down": {},
+        ".final_norm.weight": {},
+        ".head": {"model": 256},
+        ".head_bias": {"model": 256},
+    }
+    assert report["param_specs"][".blocks.attn.wqkv"] == "(None, None, 'model')"
+    assert report["momentum_specs"] == report["param_specs"]
+    assert report["updated_specs"] == report["param_specs"]
+    assert report["adam_specs"] == {
+        "mu.wqkv": "(None, None, 'model')",
+        "nu.head": "(None, 'model')",
+        "count": "()",
+    }
+    other = report["other_specs"]
+    assert other[".blocks.mlp.w_in"] == "(None, None, 'model')"
+    assert other[".blocks.mlp.w_out"] == "(None, 'model')"
+    assert other[".pos_embed"] == "()"
+
+
+@pytest.mark.multidevice
+def test_sharded_forward_and_cache(report):
+    forward = report["forward"]
+    assert forward["logits"] <= 1e-5 and forward["cache"] <= 1e-5
+    assert forward["logits_x64"] <= 1e-5
+    # Batch 2 on data, 4 kv heads on model; prefill returns the cache as it got it.
+    assert forward["cache_sizes"] == {"data": 2, "model": 4}
+    assert forward["cache_spec_out"] == forward["cache_spec_in"]
+    assert forward["logits_spec"] == "('data', None, 'model')"
+
+
+@pytest.mark.multidevice
+def test_sharded_generation_equals_one_device_and_compiles_once(report):
+    gen = report["generation"]
+    assert gen["traces"] == 1  # greedy and sampled share one program
+    assert gen["tokens_equal"] == [True, True]
+    assert gen["lengths_equal"] == [True, True]
+    assert gen["new_tokens"] > 0
+    assert gen["logprobs"] <= 1e-5
+    # Inside the compiled program the cache exists only as per-device blocks.
+    assert gen["cache_sizes"] == {"data": 6, "model": 4}
+    assert gen["local_cache"] and not gen["global_cache"]
+    assert not any("over ?" in key for key in gen["collectives"])
+
+
+@pytest.mark.multidevice
+def test_errors_and_collectives_of_known_programs(report):
+    errors = report["errors"]
+    assert "'kv_heads' dimension (2)" in errors["kv_heads"] and "'model'" in errors["kv_heads"]
+    for case in ("batch", "shard_batch", "generate_batch"):
+        assert errors[case].startswith("ValueError") and "'batch' dimension (3)" in errors[case]
+        assert "mesh axis 'data'" in errors[case]
+    assert errors["explicit"].startswith("TypeError") and "AxisType.Auto" in errors["explicit"]
+    assert "mesh axis 'model'" in errors["missing_axis"]
+    assert errors["kv_replicated_wqkv_spec"] == "()"
+    assert errors["kv_replicated_wo_spec"] == "(None, 'model')"
+    assert report["hlo_parser"] == {
+        "sum_rows_data": {"all-reduce over data": 1},
+        "sum_columns_model": {"all-reduce over model": 1},
+        "replicate_all": {"all-gather over data": 1, "all-gather over model": 1},
+        "roll_rows_data": {"collective-permute over data": 1},
+    }
+
+
+@pytest.mark.multidevice
+def test_two_processes_run_the_same_code(report, reference_file):
+    """The multi-host launch, on one machine: two processes of 4 CPU devices each run the
+    same train step and generation on one (data=2, model=4) mesh, and match the one-device
+    results the 8-device run saved."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, "--process", str(i), "--of", "2",
+             "--coordinator", f"localhost:{port}", "--reference", str(reference_file)],
+            env=cpu_env(4),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, stderr[-4000:]
+        result = parse(stdout)["processes"]
+        assert (result["process"], result["count"], result["local_devices"]) == (i, 2, 4)
+        assert result["loss"] <= 1e-5 and result["weights"] <= 1e-5
+        assert result["tokens_equal"]
