@@ -6,9 +6,17 @@ from ._cache import KVCache as KVCache, cache_nbytes as cache_nbytes
 from ._config import DecoderConfig as DecoderConfig, RopeScaling as RopeScaling
 from ._decoder import RotaryDecoder as RotaryDecoder
 from ._generate import Generation as Generation, generate as generate
+from ._hlo import hlo_collectives as hlo_collectives
 from ._mlp import GeluMLP as GeluMLP, SwiGLU as SwiGLU
 from ._params import count_params as count_params
 from ._rope import apply_rope as apply_rope, rope_inv_freq as rope_inv_freq
+from ._sharding import (
+    ShardingRules as ShardingRules,
+    make_mesh as make_mesh,
+    shard as shard,
+    shard_batch as shard_batch,
+    shardings as shardings,
+)
 from ._train import (
     cross_entropy as cross_entropy,
     init_optimizer as init_optimizer,
