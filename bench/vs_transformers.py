@@ -1,0 +1,338 @@
+"""eqrope beside Hugging Face transformers: the same random weights, greedy generation.
+
+    python bench/vs_transformers.py            # --quick, the default (a few minutes on 2 cores)
+    python bench/vs_transformers.py --full     # 5 repeats everywhere
+    python bench/vs_transformers.py --tiny --out /tmp/x   # tiny sizes, 1 repeat (smoke run)
+    python bench/vs_transformers.py --profile  # also: where a decode step's time goes
+    python bench/vs_transformers.py --torch-threads 1 --out /tmp/t1   # torch on one thread
+    python bench/vs_transformers.py --only seed --out /tmp/seed         # one case
+
+Needs the optional `[hf]` extra (torch and transformers). One process, one machine: torch
+runs with `torch.set_num_threads(os.cpu_count())` intra-op threads, and XLA's CPU client
+uses every core by default. Each eqrope model (random weights, zero head bias as
+initialised) is exported with `eqrope.to_hf_llama` and loaded with
+`transformers.LlamaForCausalLM.from_pretrained`, so both sides hold the same weights.
+
+Contenders, all greedy, batch of one:
+
+- `eqrope`: `eqrope.generate` (the cached path: one compiled program, prefill then a
+  `lax.scan` of decode steps; `max_new` is traced, so one compile serves every N);
+- `hf_default`: `model.generate(ids, max_new_tokens=N, do_sample=False)` (dynamic cache);
+- `hf_static`: the same with `cache_implementation="static"` (on CPU transformers does not
+  auto-compile, so this is eager PyTorch with a preallocated cache);
+- `hf_default_1thread`: `hf_default` with `torch.set_num_threads(1)` for the call, a
+  diagnostic: on a machine shared with other work, torch's OpenMP threads wait on each
+  other and its multi-threaded times grow many-fold; one thread shows by how much.
+
+Cases: the seed's protocol (model (65, 64, 4, 2, 256), prompt of 8, 100 new tokens,
+1 warm-up + 5 repeats) and the textbook chapter's timing shape (vocab 256, width 256,
+4 heads, 4 blocks, d_ff 1024, max_len 1024, prompt of 4, N = 64, 128, 256, 512).
+
+Writes `vs_transformers_cpu.json` to `--out` (default `bench/results/`) and prints a
+table. Targets are reported (target, measured, met), never asserted. Timings are noisy
+when other work shares the CPU.
+"""
+
+import argparse
+import importlib.metadata
+import os
+import pathlib
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqrope
+from _timing import machine_info, time_call, without_result, write_json
+
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    sys.exit(
+        "bench/vs_transformers.py needs the [hf] extra:\n"
+        "  pip install torch==2.13.0\n"
+        "  pip install -c constraints-hf.txt -e '.[hf]'"
+    )
+
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+SEED_MODEL = dict(vocab_size=65, d_model=64, n_heads=4, n_blocks=2, max_len=256)
+CHAPTER_MODEL = dict(vocab_size=256, d_model=256, n_heads=4, n_blocks=4, max_len=1024, d_ff=1024)
+TINY_MODEL = dict(vocab_size=64, d_model=32, n_heads=2, n_blocks=2, max_len=64, d_ff=64)
+# The issue's reference numbers: transformers 5.24, torch 2.13, CPU, this kind of machine.
+REFERENCE_HF_DEFAULT_S = {"seed": 0.089, "chapter_N512": 1.75}
+
+MODES = {
+    "quick": dict(seed=SEED_MODEL, seed_prompt=8, seed_new=100, seed_repeats=5,
+                  chapter=CHAPTER_MODEL, chapter_prompt=4, chapter_n=(64, 128, 256, 512),
+                  chapter_repeats=3),
+    "full": dict(seed=SEED_MODEL, seed_prompt=8, seed_new=100, seed_repeats=5,
+                 chapter=CHAPTER_MODEL, chapter_prompt=4, chapter_n=(64, 128, 256, 512),
+                 chapter_repeats=5),
+    "tiny": dict(seed=TINY_MODEL, seed_prompt=4, seed_new=8, seed_repeats=1,
+                 chapter=TINY_MODEL, chapter_prompt=4, chapter_n=(8,), chapter_repeats=1),
+}
+CONTENDERS = ("eqrope", "hf_default", "hf_static", "hf_default_1thread")
+HF_CONTENDERS = CONTENDERS[1:]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_pair(sizes: dict, directory: pathlib.Path):
+    """An eqrope model (key 0) and the transformers model holding the same weights."""
+    model = eqrope.RotaryDecoder(**sizes, key=jax.random.PRNGKey(0))
+    eqrope.to_hf_llama(model, directory)  # the initial head bias is zeros: dropped exactly
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model, hf_model
+
+
+def runners(model, hf_model, prompt: np.ndarray, n: int) -> dict:
+    """For each contender, a no-argument call that returns the generated ids as numpy."""
+    ids = torch.tensor(prompt, dtype=torch.long)[None]
+    mask = torch.ones_like(ids)
+    jprompt = jnp.asarray(prompt, jnp.int32)
+
+    def ours():
+        return np.asarray(eqrope.generate(model, jprompt, n))
+
+    def theirs(threads=None, **extra):
+        def run():
+            saved = torch.get_num_threads()
+            if threads is not None:
+                torch.set_num_threads(threads)
+            try:
+                with torch.inference_mode():
+                    out = hf_model.generate(
+                        ids, attention_mask=mask, max_new_tokens=n, do_sample=False, **extra,
+                    )
+            finally:
+                torch.set_num_threads(saved)
+            return out[0].numpy()
+
+        return run
+
+    return {
+        "eqrope": ours,
+        "hf_default": theirs(),
+        "hf_static": theirs(cache_implementation="static"),
+        "hf_default_1thread": theirs(threads=1),
+    }
+
+
+def measure(model, hf_model, prompt: np.ndarray, n: int, repeats: int) -> dict:
+    """Time every contender (1 warm-up call, timed as the first call, then `repeats`)."""
+    row = {
+        "new_tokens": n,
+        "prompt_len": int(prompt.shape[0]),
+        "loadavg_1min_before": os.getloadavg()[0],
+    }
+    tokens = {}
+    for name, fn in runners(model, hf_model, prompt, n).items():
+        timing = time_call(fn, repeats=repeats, warmup=1)
+        tokens[name] = np.asarray(timing["result"])
+        row[name] = without_result(timing)
+        if name != "eqrope":
+            del row[name]["first_compile"]  # jax's compile clock; torch has none
+        log(f"    {name:<18} N={n:<4} median {timing['median_s']:.4f} s "
+            f"(first {timing['first_s']:.3f} s)")
+    expected_len = prompt.shape[0] + n
+    row["tokens_len"] = {k: int(v.shape[0]) for k, v in tokens.items()}
+    row["identical_tokens"] = {
+        k: bool(tokens[k].shape == tokens["eqrope"].shape and (tokens[k] == tokens["eqrope"]).all())
+        for k in HF_CONTENDERS
+    }
+    row["all_full_length"] = all(v.shape[0] == expected_len for v in tokens.values())
+    for k in HF_CONTENDERS:
+        row[f"speedup_vs_{k}"] = row[k]["median_s"] / row["eqrope"]["median_s"]
+    return row
+
+
+def profile_step(model, hf_model, prompt_len: int, n: int) -> dict:
+    """Where one decode step's time goes, on each side.
+
+    - eqrope: `model.step` compiled (`eqx.filter_jit`) at position `prompt_len + n/2`, and,
+      for comparison, one compiled function doing only the step's weight products: a
+      `(1, in) @ (in, out)` product with every weight matrix (each block's `wqkv`, `wo`,
+      `w_gate_up`, `w_down`, and the head).
+    - The same weight products in torch, on the same threads.
+    - transformers: one forward of one token against a cache of `prompt_len + n/2` rows,
+      and the torch ops that take its time (torch.profiler).
+    """
+    cache = model.init_cache()
+    step = eqx.filter_jit(lambda m, t, c, p: m.step(t, c, p, check=False))
+    token = jnp.asarray(1, jnp.int32)
+    pos = jnp.asarray(prompt_len + n // 2, jnp.int32)
+    ours = time_call(lambda: step(model, token, cache, pos), repeats=50, warmup=2)
+
+    blocks = model.blocks
+    stacked = [blocks.attn.wqkv, blocks.attn.wo, blocks.mlp.w_gate_up, blocks.mlp.w_down]
+    head = model.embed.T if model.head is None else model.head
+    matrices = [w[b] for w in stacked for b in range(w.shape[0])] + [head]
+    nbytes = sum(int(w.size) * w.dtype.itemsize for w in matrices)
+
+    @jax.jit
+    def products(matrices):
+        return [jnp.ones((1, w.shape[0]), w.dtype) @ w for w in matrices]
+
+    xla = time_call(lambda: products(matrices), repeats=50, warmup=2)
+    torch_matrices = [torch.from_numpy(np.array(w)) for w in matrices]
+    ones = {w.shape[0]: torch.ones(1, w.shape[0]) for w in torch_matrices}
+    with torch.inference_mode():
+        torch_products = time_call(
+            lambda: [ones[w.shape[0]] @ w for w in torch_matrices], repeats=50, warmup=2
+        )
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt_len + n // 2))
+        past = hf_model(ids, use_cache=True).past_key_values
+        one = torch.tensor([[1]])
+
+        def hf_step():
+            return hf_model(one, past_key_values=past, use_cache=True).logits
+
+        # The DynamicCache grows by one row per call; 50 rows on a cache of hundreds is noise.
+        theirs = time_call(hf_step, repeats=50, warmup=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                hf_step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return {
+        "position": int(pos),
+        "eqrope_step_median_s": ours["median_s"],
+        "weight_bytes": nbytes,
+        "xla_weight_products_median_s": xla["median_s"],
+        "torch_weight_products_median_s": torch_products["median_s"],
+        "hf_forward_one_token_median_s": theirs["median_s"],
+        "hf_top_ops": table,
+    }
+
+
+def run_case(name: str, sizes: dict, prompt_len: int, ns, repeats: int, workdir: pathlib.Path,
+             profile: bool) -> dict:
+    log(f"[{name}] building and exporting {sizes}")
+    model, hf_model = build_pair(sizes, workdir / name)
+    prompt = np.arange(prompt_len, dtype=np.int64) % sizes["vocab_size"]
+    case = {"case": name, "model": sizes, "params": eqrope.count_params(model), "rows": []}
+    for n in ns:
+        case["rows"].append(measure(model, hf_model, prompt, n, repeats))
+    if profile:
+        log(f"[{name}] profiling one decode step")
+        case["profile"] = profile_step(model, hf_model, prompt_len, max(ns))
+    return case
+
+
+def print_table(result: dict) -> None:
+    m = result["machine"]
+    print(f"\neqrope vs transformers, greedy, batch 1 ({result['mode']} mode, {m['date']})")
+    print(f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs; torch threads {m['torch_threads']}, "
+          f"XLA CPU client on all cores; 1-min load average at start {m['loadavg_1min_start']:.1f}")
+    print(f"python {m['python']}, jax {m['jax']}, equinox {m['equinox']}, torch {m['torch']}, "
+          f"transformers {m['transformers']}")
+    head = (f"{'case':<8} {'N':>4} | {'contender':<18} {'first (s)':>9} {'median (s)':>10} "
+            f"{'min-max (s)':>15} | {'speedup':>7} | same tokens")
+    print(head)
+    print("-" * len(head))
+    for case in result["cases"]:
+        for row in case["rows"]:
+            for k in CONTENDERS:
+                t = row[k]
+                speed = "" if k == "eqrope" else f"{row['speedup_vs_' + k]:6.1f}x"
+                same = "" if k == "eqrope" else str(row["identical_tokens"][k])
+                print(f"{case['case']:<8} {row['new_tokens']:>4} | {k:<18} {t['first_s']:9.3f} "
+                      f"{t['median_s']:10.4f} {t['min_s']:7.4f}-{t['max_s']:<7.4f} | "
+                      f"{speed:>7} | {same}")
+    print("speedup = transformers median / eqrope median (eqrope's first call includes its "
+          "compile; later N reuse the program)")
+    for t in result["targets"]:
+        verdict = "met" if t["met"] else "NOT met"
+        print(f"target: {t['target']}: measured {t['measured']:.1f}x -> {verdict}")
+    for case in result["cases"]:
+        if "profile" in case:
+            p = case["profile"]
+            print(f"\n[{case['case']}] one decode step at position {p['position']}: eqrope "
+                  f"{p['eqrope_step_median_s'] * 1e3:.2f} ms (compiled), transformers forward "
+                  f"of one token {p['hf_forward_one_token_median_s'] * 1e3:.2f} ms")
+            mb = p["weight_bytes"] / 1e6
+            for side in ("xla", "torch"):
+                t = p[f"{side}_weight_products_median_s"]
+                print(f"  the step's weight products alone ({mb:.1f} MB of weights) in {side}: "
+                      f"{t * 1e3:.2f} ms = {mb / 1e3 / t:.1f} GB/s")
+            print(p["hf_top_ops"])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="mode", const="quick",
+                      help="the default: 3 repeats on the chapter shape")
+    size.add_argument("--full", action="store_const", dest="mode", const="full",
+                      help="5 repeats everywhere")
+    size.add_argument("--tiny", action="store_const", dest="mode", const="tiny",
+                      help="tiny sizes, 1 repeat: a smoke run")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                        help="folder for vs_transformers_cpu.json (default bench/results)")
+    parser.add_argument("--only", choices=("seed", "chapter"),
+                        help="run one case (the targets then report the cases that ran)")
+    parser.add_argument("--profile", action="store_true", help="also profile one decode step")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count() or 1,
+                        help="torch intra-op threads (default os.cpu_count()); on a busy "
+                             "machine torch's OpenMP threads stall each other, and 1 thread "
+                             "shows by how much")
+    args = parser.parse_args(argv)
+    mode = args.mode or "quick"
+    cfg = MODES[mode]
+
+    torch.set_num_threads(args.torch_threads)
+    machine = machine_info()
+    machine.update(torch=torch.__version__, transformers=transformers.__version__,
+                   safetensors=importlib.metadata.version("safetensors"),
+                   torch_threads=torch.get_num_threads(),
+                   os_cpu_count=os.cpu_count(),
+                   loadavg_1min_start=os.getloadavg()[0],
+                   threads_note=f"torch.set_num_threads({args.torch_threads}) (os.cpu_count() = "
+                                f"{os.cpu_count()}); XLA's CPU client uses all cores")
+    start = time.perf_counter()
+    workdir = args.out / "_vs_transformers_weights"
+    cases, targets = [], []
+    if args.only in (None, "seed"):
+        cases.append(run_case("seed", cfg["seed"], cfg["seed_prompt"], (cfg["seed_new"],),
+                              cfg["seed_repeats"], workdir, args.profile))
+        speedup = cases[-1]["rows"][0]["speedup_vs_hf_default"]
+        targets.append({"target": "seed protocol: eqrope >= 10x transformers default",
+                        "measured": speedup, "met": speedup >= 10})
+    if args.only in (None, "chapter"):
+        cases.append(run_case("chapter", cfg["chapter"], cfg["chapter_prompt"], cfg["chapter_n"],
+                              cfg["chapter_repeats"], workdir, args.profile))
+        last = cases[-1]["rows"][-1]
+        targets.append({"target": f"chapter shape N={last['new_tokens']}: eqrope >= 1.5x "
+                                  "transformers default",
+                        "measured": last["speedup_vs_hf_default"],
+                        "met": last["speedup_vs_hf_default"] >= 1.5})
+    result = {
+        "mode": mode,
+        "machine": machine,
+        "protocol": "greedy, batch 1; per contender one warm-up call (reported as first_s), then "
+                    "`repeats` timed calls; same random weights via eqrope.to_hf_llama",
+        "cases": cases,
+        "targets": targets,
+        "reference_hf_default_s": REFERENCE_HF_DEFAULT_S,
+        "total_s": time.perf_counter() - start,
+    }
+    for file in sorted(workdir.glob("*/*")):
+        file.unlink()
+    for folder in sorted(workdir.glob("*")):
+        folder.rmdir()
+    workdir.rmdir()
+    path = write_json(args.out / "vs_transformers_cpu.json", result)
+    print_table(result)
+    print(f"\nwrote {path} ({result['total_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""Hugging Face Llama in: `eqrope.from_hf_llama`, with numpy and safetensors (no torch).
+
+See `_hf.py` for the two differences from Llama it handles (the rotary pairing, the head
+bias) and the weight layout.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import safetensors
+
+from ._checkpoint import compare_to_skeleton, fill, skeleton
+from ._config import DecoderConfig, RopeScaling
+from ._decoder import RotaryDecoder
+from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, pairing_permutation
+
+
+_ROPE_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "attention_factor",
+}
+# Buffers some older checkpoints carry; they are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
+    """Load a Hugging Face `LlamaForCausalLM` directory as a [`eqrope.RotaryDecoder`][].
+
+    Reads `config.json` and the weights (`model.safetensors`, or the shards listed in
+    `model.safetensors.index.json`) with numpy; torch is never imported.
+
+    **Arguments:**
+
+    - `path`: the directory `save_pretrained` wrote.
+    - `dtype`: the model's dtype; `None` keeps the dtype of the checkpoint's embedding.
+
+    **Returns:** a decoder with `head_bias=False`, whose logits are those of the Hugging
+    Face model. The query and key rows are permuted from rotate-half to interleaved pairing
+    (`eqrope._hf.pairing_permutation`; docs/weights.md explains why).
+
+    Config fields that eqrope cannot honour raise a `ValueError` naming the field:
+    `attention_bias` or `mlp_bias` true, a `hidden_act` other than `silu`, a `head_dim`
+    other than `hidden_size / num_attention_heads`, a `rope_scaling` type other than
+    `linear` or `llama3`, partial rotary embeddings.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"from_hf_llama: no directory at {path}; pass the directory that "
+            "LlamaForCausalLM.save_pretrained wrote (config.json + *.safetensors)."
+        )
+    config_file = path / CONFIG_FILE
+    hf = _read_json(config_file)
+    # The config is checked before any weights are read; the dtype comes from them.
+    dtype_name = "float32" if dtype is None else np.dtype(dtype).name
+    config = decoder_config(hf, str(config_file), dtype_name)
+    tensors = _read_tensors(path)
+    embed_name = "model.embed_tokens.weight"
+    if embed_name not in tensors:
+        raise ValueError(
+            f"from_hf_llama: the weights in {path} have no {embed_name!r}; "
+            "is this a LlamaForCausalLM?"
+        )
+    if dtype is None:
+        config = decoder_config(hf, str(config_file), np.dtype(tensors[embed_name].dtype).name)
+    arrays = _to_eqrope_arrays(tensors, config, path)
+    expected = skeleton(config)
+    problems = compare_to_skeleton(arrays, expected)
+    if problems:  # a bug in this converter, not in the user's files
+        raise AssertionError(
+            "from_hf_llama built arrays that do not fit the decoder: " + "; ".join(problems)
+        )
+    return fill(expected, arrays)
+
+
+def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
+    """The [`eqrope.DecoderConfig`][] of a Hugging Face Llama `config.json` dict."""
+
+    def need(name):
+        if name not in hf or hf[name] is None:
+            raise ValueError(
+                f"from_hf_llama: {source} has no field {name!r}; a Llama config needs it."
+            )
+        return hf[name]
+
+    def refuse(name, why):
+        raise ValueError(
+            f"from_hf_llama: {source} has {name}={hf.get(name)!r}, which eqrope cannot "
+            f"honour: {why}"
+        )
+
+    if hf.get("model_type", "llama") != "llama":
+        refuse("model_type", "only 'llama' checkpoints (LlamaForCausalLM) are supported.")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "eqrope's SwiGLU gates with silu, as Llama does.")
+    for name in ("attention_bias", "mlp_bias"):
+        if hf.get(name, False):
+            refuse(name, "eqrope's Llama-style decoder has no projection biases (bias=False).")
+    d_model, n_heads = need("hidden_size"), need("num_attention_heads")
+    if d_model % n_heads != 0:
+        refuse("num_attention_heads", f"it does not divide hidden_size={d_model}.")
+    if hf.get("head_dim") is not None and hf["head_dim"] != d_model // n_heads:
+        refuse(
+            "head_dim",
+            f"eqrope uses head_dim = hidden_size / num_attention_heads = {d_model // n_heads}.",
+        )
+    rope_base, rope_scaling = _rope(hf, source, need("max_position_embeddings"))
+    try:
+        return DecoderConfig(
+            vocab_size=need("vocab_size"),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_blocks=need("num_hidden_layers"),
+            max_len=need("max_position_embeddings"),
+            d_ff=need("intermediate_size"),
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            rope_base=float(rope_base),
+            rope_scaling=rope_scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            head_bias=False,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=dtype_name,
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"from_hf_llama: {source} does not give a valid eqrope config: {e}"
+        ) from None
+
+
+def _rope(hf: dict, source: str, max_len: int) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
+    # As in transformers, a non-empty `rope_scaling` wins.
+    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(field) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(
+            f"from_hf_llama: {source} has {field}={params!r}; eqrope supports one flat dict "
+            "(per-layer rotary parameters are not supported)."
+        )
+    unknown = sorted(set(params) - _ROPE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"from_hf_llama: {source} has {field} keys {unknown} that eqrope does not know; "
+            "refusing to ignore them."
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"from_hf_llama: {source} sets partial_rotary_factor; eqrope rotates the whole head."
+        )
+    if params.get("attention_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"from_hf_llama: {source} sets {field}.attention_factor; eqrope does not rescale "
+            "attention."
+        )
+    if kind == "default":
+        return base, None
+    if kind not in ("linear", "llama3"):
+        raise ValueError(
+            f"from_hf_llama: {source} has {field} type {kind!r}; eqrope supports 'default', "
+            "'linear' and 'llama3' rotary scaling."
+        )
+    if "factor" not in params:
+        raise ValueError(f"from_hf_llama: {source} has {field} type {kind!r} without a 'factor'.")
+    if kind == "linear":
+        return base, RopeScaling("linear", float(params["factor"]))
+    # As transformers: a top-level original_max_position_embeddings wins, else the dict's,
+    # else max_position_embeddings.
+    original = hf.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings", max_len
+    )
+    for name in ("low_freq_factor", "high_freq_factor"):
+        if name not in params:
+            raise ValueError(f"from_hf_llama: {source} has {field} type 'llama3' without {name!r}.")
+    return base, RopeScaling(
+        "llama3",
+        float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_len=int(original),
+    )
+
+
+def _hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    hd = c.head_dim
+    shapes = {
+        "model.embed_tokens.weight": (c.vocab_size, c.d_model),
+        "model.norm.weight": (c.d_model,),
+    }
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
+    for i in range(c.n_blocks):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.d_model,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.d_model,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.n_heads * hd, c.d_model)
+        shapes[p + "self_attn.k_proj.weight"] = (c.n_kv_heads * hd, c.d_model)
+        shapes[p + "self_attn.v_proj.weight"] = (c.n_kv_heads * hd, c.d_model)
+        shapes[p + "self_attn.o_proj.weight"] = (c.d_model, c.n_heads * hd)
+        shapes[p + "mlp.gate_proj.weight"] = (c.d_ff, c.d_model)
+        shapes[p + "mlp.up_proj.weight"] = (c.d_ff, c.d_model)
+        shapes[p + "mlp.down_proj.weight"] = (c.d_model, c.d_ff)
+    return shapes
+
+
+def _to_eqrope_arrays(tensors: dict, c: DecoderConfig, path: Path) -> dict[str, np.ndarray]:
+    shapes = _hf_shapes(c)
+    names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
+    if c.tie_embeddings and "lm_head.weight" in names:
+        # Some tied checkpoints store the head anyway; it must be the embedding.
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ValueError(
+                f"from_hf_llama: config.json in {path} sets tie_word_embeddings=true but "
+                "lm_head.weight differs from model.embed_tokens.weight; fix the config."
+            )
+        names.discard("lm_head.weight")
+    problems = [f"missing tensor {n!r}" for n in shapes if n not in names]
+    problems += [f"unexpected tensor {n!r}" for n in sorted(names - set(shapes))]
+    problems += [
+        f"tensor {n!r} has shape {tuple(tensors[n].shape)}, config.json implies {s}"
+        for n, s in shapes.items()
+        if n in names and tuple(tensors[n].shape) != s
+    ]
+    problems += [
+        f"tensor {n!r} has dtype {tensors[n].dtype}, not a floating dtype"
+        for n in shapes
+        if n in names and not _is_float(tensors[n].dtype)
+    ]
+    if problems:
+        raise ValueError(
+            f"from_hf_llama: the weights in {path} do not match its config.json:\n  "
+            + "\n  ".join(problems)
+            + "\nIs this an unmodified LlamaForCausalLM checkpoint?"
+        )
+    dt = np.dtype(c.dtype)
+
+    def get(name):
+        return tensors[name].astype(dt)
+
+    perm_q = pairing_permutation(c.n_heads, c.head_dim)
+    perm_k = pairing_permutation(c.n_kv_heads, c.head_dim)
+    per_block = {k: [] for k in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")}
+    for i in range(c.n_blocks):
+        p = f"model.layers.{i}."
+        q = get(p + "self_attn.q_proj.weight")[perm_q]
+        k = get(p + "self_attn.k_proj.weight")[perm_k]
+        v = get(p + "self_attn.v_proj.weight")
+        per_block["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
+        per_block["wo"].append(get(p + "self_attn.o_proj.weight").T)
+        gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+        per_block["w_gate_up"].append(np.concatenate([gate, up], axis=0).T)
+        per_block["w_down"].append(get(p + "mlp.down_proj.weight").T)
+        per_block["attn_norm"].append(get(p + "input_layernorm.weight"))
+        per_block["mlp_norm"].append(get(p + "post_attention_layernorm.weight"))
+    stacked = {k: np.ascontiguousarray(np.stack(v)) for k, v in per_block.items()}
+    arrays = {
+        "embed": get("model.embed_tokens.weight"),
+        "blocks.attn_norm.weight": stacked["attn_norm"],
+        "blocks.attn.wqkv": stacked["wqkv"],
+        "blocks.attn.wo": stacked["wo"],
+        "blocks.mlp_norm.weight": stacked["mlp_norm"],
+        "blocks.mlp.w_gate_up": stacked["w_gate_up"],
+        "blocks.mlp.w_down": stacked["w_down"],
+        "final_norm.weight": get("model.norm.weight"),
+    }
+    if not c.tie_embeddings:
+        arrays["head"] = np.ascontiguousarray(get("lm_head.weight").T)
+    return arrays
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"from_hf_llama: {file} is missing; a Hugging Face model directory has one."
+        )
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"from_hf_llama: {file} is not valid JSON ({e}).") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"from_hf_llama: {file} must hold a JSON object.")
+    return data
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, from the sharded index if there is one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"from_hf_llama: {index} has no 'weight_map' object.")
+        by_file: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_file.setdefault(shard, []).append(name)
+    elif (path / SINGLE_FILE).is_file():
+        by_file = {SINGLE_FILE: None}
+    else:
+        raise FileNotFoundError(
+            f"from_hf_llama: {path} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the "
+            "model with save_pretrained(..., safe_serialization=True) (no .bin/pickle files)."
+        )
+    tensors = {}
+    for shard, names in by_file.items():
+        file = path / shard
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"from_hf_llama: shard {file} listed in {INDEX_FILE} is missing."
+            )
+        try:
+            with safetensors.safe_open(str(file), framework="numpy") as f:
+                present = set(f.keys())
+                wanted = present if names is None else names
+                absent = sorted(set(wanted) - present)
+                if absent:
+                    raise ValueError(
+                        f"from_hf_llama: {INDEX_FILE} puts {absent[:3]} in {file}, which "
+                        "lacks them."
+                    )
+                for name in wanted:
+                    tensors[name] = f.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors' own errors for a damaged file
+            raise ValueError(
+                f"from_hf_llama: {file} is truncated or corrupted ({type(e).__name__}: {e})."
+            ) from None
+    return tensors

@@ -1,0 +1,243 @@
+"""eqrope.save / eqrope.load: bitwise round trips and clear errors for damaged checkpoints."""
+
+import json
+import pickle
+import struct
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import eqrope
+
+
+pytestmark = pytest.mark.usefixtures("precision")
+
+SIZES = (17, 16, 2, 2, 32)
+VARIANTS = {
+    "seed": {},
+    "bf16-gqa-tied-llama3": dict(
+        dtype=jnp.bfloat16,
+        n_kv_heads=1,
+        tie_embeddings=True,
+        head_bias=False,
+        rope_scaling=eqrope.RopeScaling("llama3", 4.0, original_max_len=16),
+    ),
+    "textbook": dict(positions="learned", norm="layer", mlp="gelu", bias=True, d_ff=24),
+    "float16-linear": dict(
+        dtype=jnp.float16, rope_scaling=eqrope.RopeScaling("linear", 2.0), norm_eps=1e-6
+    ),
+}
+
+
+def _model(seed=0, **kwargs):
+    """A random model: every array random (norms and biases too), so a swapped array shows.
+
+    Built from its shapes (`eqx.filter_eval_shape`), which is much faster than running
+    the initialisers eagerly.
+    """
+    shapes = eqx.filter_eval_shape(eqrope.RotaryDecoder, *SIZES, key=jax.random.PRNGKey(3), **kwargs)
+    return _randomise(shapes, seed)
+
+
+def _randomise(model, seed=0):
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    new = [jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype)) for a in leaves]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _bytes_equal(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_round_trip_is_bitwise(tmp_path, variant):
+    model = _model(**VARIANTS[variant])
+    eqrope.save(tmp_path / "ckpt", model)
+    loaded = eqrope.load(tmp_path / "ckpt")
+    assert type(loaded) is eqrope.RotaryDecoder
+    assert loaded.config == model.config
+    # Same tree structure (static fields included) and the same bytes in every array.
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(model)
+    pairs = zip(jax.tree_util.tree_leaves(model), jax.tree_util.tree_leaves(loaded))
+    assert all(_bytes_equal(a, b) for a, b in pairs)
+
+
+def test_file_layout_is_json_plus_safetensors(tmp_path):
+    model = _model()
+    eqrope.save(tmp_path, model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["format"] == "eqrope-checkpoint" and config["format_version"] == 1
+    assert config["config"] == model.config.to_dict()
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_len])
+    names = sorted(k for k in header if k != "__metadata__")
+    assert names == sorted(
+        ["embed", "blocks.attn_norm.weight", "blocks.attn.wqkv", "blocks.attn.wo",
+         "blocks.mlp_norm.weight", "blocks.mlp.w_gate_up", "blocks.mlp.w_down",
+         "final_norm.weight", "head", "head_bias"]
+    )
+    # The stored bytes are the arrays themselves (independent of eqrope's reader).
+    arrays = safetensors.numpy.load(raw)
+    assert _bytes_equal(arrays["blocks.attn.wqkv"], model.blocks.attn.wqkv)
+
+
+def test_load_never_unpickles(tmp_path, monkeypatch):
+    eqrope.save(tmp_path, _model())
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a checkpoint must never be unpickled")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(np, "load", forbidden)
+    eqrope.load(tmp_path)
+
+
+def test_save_overwrites_an_earlier_checkpoint(tmp_path):
+    eqrope.save(tmp_path, _model())
+    second = _model(seed=7)
+    eqrope.save(tmp_path, second)
+    assert _bytes_equal(eqrope.load(tmp_path).embed, second.embed)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# -- missing and damaged files -----------------------------------------------------------
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        eqrope.load(tmp_path / "nowhere")
+    eqrope.save(tmp_path / "a", _model())
+    with pytest.raises(FileNotFoundError, match="Pass the directory"):
+        eqrope.load(tmp_path / "a" / "model.safetensors")
+    (tmp_path / "a" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        eqrope.load(tmp_path / "a")
+    eqrope.save(tmp_path / "b", _model())
+    (tmp_path / "b" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        eqrope.load(tmp_path / "b")
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 20, 4])
+def test_truncated_arrays_file(tmp_path, keep):
+    eqrope.save(tmp_path, _model())
+    file = tmp_path / "model.safetensors"
+    raw = file.read_bytes()
+    n = int(len(raw) * keep) if isinstance(keep, float) else keep
+    file.write_bytes(raw[:n])
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        eqrope.load(tmp_path)
+
+
+def test_flipped_byte_in_array_data(tmp_path):
+    eqrope.save(tmp_path, _model())
+    file = tmp_path / "model.safetensors"
+    raw = bytearray(file.read_bytes())
+    raw[-3] ^= 0x40  # the last array's data; the header still parses
+    file.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="does not match its checksum; the file is corrupted"):
+        eqrope.load(tmp_path)
+
+
+def test_garbage_header(tmp_path):
+    eqrope.save(tmp_path, _model())
+    file = tmp_path / "model.safetensors"
+    raw = bytearray(file.read_bytes())
+    raw[8:16] = b"\x00garbage"
+    file.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        eqrope.load(tmp_path)
+
+
+def test_foreign_safetensors_without_checksums(tmp_path):
+    model = _model()
+    eqrope.save(tmp_path, model)
+    arrays = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    safetensors.numpy.save_file(arrays, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no checksum for array"):
+        eqrope.load(tmp_path)
+
+
+def test_damaged_config(tmp_path):
+    eqrope.save(tmp_path, _model())
+    file = tmp_path / "config.json"
+    text = file.read_text()
+    file.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        eqrope.load(tmp_path)
+    data = json.loads(text)
+    file.write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version 99.*Upgrade eqrope"):
+        eqrope.load(tmp_path)
+    file.write_text(json.dumps({"model_type": "llama", "hidden_size": 16}))
+    with pytest.raises(ValueError, match="from_hf_llama"):
+        eqrope.load(tmp_path)
+    file.write_text(json.dumps({**data, "config": {**data["config"], "n_heads": 3}}))
+    with pytest.raises(ValueError, match="'config' in .*config.json is invalid.*n_heads"):
+        eqrope.load(tmp_path)
+    file.write_text(json.dumps({**data, "config": {**data["config"], "colour": "red"}}))
+    with pytest.raises(ValueError, match="colour"):
+        eqrope.load(tmp_path)
+
+
+# -- config and arrays that do not belong together --------------------------------------
+
+
+def _edit_config(directory, **changes):
+    file = directory / "config.json"
+    data = json.loads(file.read_text())
+    data["config"].update(changes)
+    file.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"d_ff": 24}, r"'blocks.mlp.w_gate_up' has shape \(2, 16, 128\), the config needs \(2, 16, 48\)"),
+        ({"n_blocks": 3}, r"'blocks.attn.wqkv' has shape \(2, 16, 48\), the config needs \(3, 16, 48\)"),
+        ({"dtype": "bfloat16"}, r"'embed' has dtype float32, the config needs bfloat16"),
+        ({"tie_embeddings": True}, r"unexpected array 'head' \(shape \(16, 17\), dtype float32\)"),
+        ({"head_bias": False}, r"unexpected array 'head_bias'"),
+        ({"bias": True}, r"missing array 'blocks.attn.bqkv' \(shape \(2, 48\), dtype float32\)"),
+    ],
+)
+def test_config_array_mismatch(tmp_path, changes, message):
+    eqrope.save(tmp_path, _model())
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match="do not belong together") as info:
+        eqrope.load(tmp_path)
+    assert info.match(message)
+
+
+def test_missing_array(tmp_path):
+    eqrope.save(tmp_path, _model(tie_embeddings=True))
+    _edit_config(tmp_path, tie_embeddings=False)
+    with pytest.raises(ValueError, match=r"missing array 'head' \(shape \(16, 17\)"):
+        eqrope.load(tmp_path)
+
+
+def test_save_refuses_bad_input(tmp_path):
+    with pytest.raises(TypeError, match="RotaryDecoder"):
+        eqrope.save(tmp_path, {"embed": jnp.zeros(3)})
+    model = _model()
+    reshaped = eqx.tree_at(lambda m: m.head, model, jnp.zeros((16, 18)))
+    with pytest.raises(ValueError, match=r"'head' has shape \(16, 18\), the config needs \(16, 17\)"):
+        eqrope.save(tmp_path / "x", reshaped)
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        eqrope.save(tmp_path / "hf", model)
+    assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        eqrope.save(tmp_path / "file", model)
