@@ -405,7 +405,7 @@ def _check_sampling(temperature, top_k, top_p, key, vocab):
         or not isinstance(top_p, (int, float, np.integer, np.floating))
         or not 0 < top_p <= 1
     ):
-        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}.")
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
     return temperature, top_k, top_p
 
 
