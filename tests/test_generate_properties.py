@@ -6,7 +6,6 @@ lengths, split points and sampling settings are drawn freely: those are data, no
 and reuse the compiled programs.
 """
 
-import math
 
 import equinox as eqx
 import jax
@@ -16,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqrope
+from _models import random_model
 
 
 # vocab, d_model, heads, kv_heads, blocks, max_len, d_ff, prefill_chunk
@@ -47,30 +47,6 @@ def report_examples(request):
 
 def count(name):
     EXAMPLES[name] = EXAMPLES.get(name, 0) + 1
-
-
-def random_model(seed, *args, **kwargs):
-    """A `RotaryDecoder` whose arrays are drawn with NumPy: no compilation to build it."""
-    skeleton = eqx.filter_eval_shape(
-        lambda: eqrope.RotaryDecoder(*args, **kwargs, key=jax.random.PRNGKey(0))
-    )
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        name = jax.tree_util.keystr(path).split(".")[-1]
-        if name in ("embed", "pos_embed"):
-            value = rng.normal(size=leaf.shape)
-        elif name == "weight":  # a norm's scale
-            value = 1.0 + 0.2 * rng.normal(size=leaf.shape)
-        elif name in ("bias", "head_bias", "bqkv", "bo") or name.startswith("b_"):
-            value = 0.2 * rng.normal(size=leaf.shape)
-        else:  # a matrix (in, out), maybe with a leading blocks axis
-            value = rng.normal(size=leaf.shape) / math.sqrt(leaf.shape[-2])
-        return jnp.asarray(value, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(fill, skeleton)
 
 
 _MODELS = {}
