@@ -134,3 +134,10 @@ def test_dtype_bfloat16_keeps_float32_softmax_and_norms():
     np.testing.assert_allclose(
         np.asarray(logits, np.float32), np.asarray(ref(ids)), atol=0.15, rtol=0.05
     )
+
+
+def test_count_params_of_an_abstract_model():
+    abstract = eqx.filter_eval_shape(
+        lambda: eqrope.RotaryDecoder(65, 64, 4, 2, 256, key=jax.random.PRNGKey(0))
+    )
+    assert eqrope.count_params(abstract) == 139_777

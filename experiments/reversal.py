@@ -1,0 +1,422 @@
+"""String reversal: does a rotary model reverse strings longer than any it trained on?
+
+The textbook's sections 2.4 and 2.6 and its exercises 2 and 5, with eqrope. Two models of
+the chapter's architecture (LayerNorm, GELU MLP, biases, d_model 64, 4 heads, 2 blocks,
+max_len 25, vocabulary 12) are trained on strings of some lengths and tested, by exact
+match of the greedy answer, on fresh strings of those and other lengths:
+
+- `rotary`: rotary positions (101,644 parameters);
+- `learned`: a learned table of 25 positions added at the input (103,244 parameters).
+
+After training, each model also generates from random reversal prompts with and without
+the key/value cache, and the two token sequences are compared.
+
+Run from the repository root:
+
+    python experiments/reversal.py                                  # section 2.4 and 2.6
+    python experiments/reversal.py --name base100 --models rotary --rope-base 100   # exercise 2
+    python experiments/reversal.py --name holdout --train-lengths 3-8,11-12 \\
+        --test-lengths 3-8,11-12 9-10                                 # exercise 5
+
+Outputs, in `--out` (default `experiments/results`): `reversal_<name>.json` (everything
+measured), `reversal_<name>.md` (the by-length table) and `reversal_<name>.png` (the
+figure). Trained models go to `--checkpoints/<name>/<model>_seed<seed>/` (written with
+`eqrope.save`); `--load` reads them back and skips training.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import eqrope
+import reversal_data as data
+
+
+MODELS = {"rotary": "rope", "learned": "learned"}
+TEST_SEED = 20240  # one fixed test set for every model and seed, so results pair up
+
+
+def build_model(kind: str, rope_base: float, *, key) -> eqrope.RotaryDecoder:
+    """The chapter's model: `RotaryDecoder(12, 64, 4, 2, 25)` with LayerNorm, GELU, biases."""
+    return eqrope.RotaryDecoder(
+        data.VOCAB_SIZE,
+        64,
+        4,
+        2,
+        data.MAX_LEN,
+        norm="layer",
+        mlp="gelu",
+        bias=True,
+        positions=MODELS[kind],
+        rope_base=rope_base,
+        key=key,
+    )
+
+
+def make_optimizer(lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
+    """AdamW (weight decay 0.01), linear warm-up to `lr`, cosine decay to `lr / 10`, and
+    gradients clipped to global norm 1."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=lr,
+        warmup_steps=min(warmup, max(steps - 1, 0)),
+        decay_steps=max(steps, 1),
+        end_value=lr / 10,
+    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def train(model, args, seed: int, label: str):
+    """`args.steps` steps of `args.batch` strings drawn from `args.train_lengths`.
+
+    The loss is the cross-entropy on the answer letters only (`data.training_batch`).
+    **Returns:** `(model, info)` with the final loss (mean of the last 50 steps) and the
+    training time.
+    """
+    optimizer = make_optimizer(args.lr, args.warmup, args.steps)
+    opt_state = eqrope.init_optimizer(optimizer, model)
+    train_step = eqrope.make_train_step(optimizer)
+    rng = np.random.default_rng(seed)
+    recent: list = []
+    start = time.perf_counter()
+    with tqdm(range(args.steps), desc=label, unit="step", leave=False, mininterval=1.0) as bar:
+        for i in bar:
+            ids, targets, mask = data.training_batch(rng, args.batch, args.train_lengths)
+            model, opt_state, loss = train_step(
+                model, opt_state, jnp.asarray(ids), jnp.asarray(targets), jnp.asarray(mask)
+            )
+            recent = (recent + [loss])[-50:]
+            if i % 50 == 49 or i == args.steps - 1:
+                bar.set_postfix(loss=f"{float(loss):.4f}")
+    seconds = time.perf_counter() - start
+    final = float(np.mean([float(x) for x in recent])) if recent else float("nan")
+    return model, {"final_loss": final, "train_seconds": round(seconds, 2)}
+
+
+def make_test_sets(args) -> dict[str, list[np.ndarray]]:
+    """`args.n_test` fresh strings for each entry of `--test-lengths`, from `TEST_SEED`."""
+    rng = np.random.default_rng(TEST_SEED)
+    return {
+        spec: data.random_strings(rng, args.n_test, data.parse_lengths(spec))
+        for spec in args.test_lengths
+    }
+
+
+def greedy_answers(model, strings: list[np.ndarray]) -> np.ndarray:
+    """Greedy tokens for the prompts `string, SEP`, all rows in one cached `generate`."""
+    prompt, lengths = data.prompts(strings)
+    tokens = eqrope.generate(
+        model, jnp.asarray(prompt), data.MAX_STRING, prompt_lengths=jnp.asarray(lengths)
+    )
+    return np.asarray(tokens)
+
+
+def evaluate(model, strings: list[np.ndarray]) -> dict:
+    """Exact matches, and answer letters right, overall, by length and by answer position.
+
+    **Returns:** a dict with
+
+    - `correct`, `total`: exact-match answers and strings;
+    - `by_length`: `{L: [correct, strings]}`;
+    - `letter_accuracy`, `letters_by_length` (`{L: [letters right, letters]}`);
+    - `by_position`: `{L: {"right": [...], "first_letter": [...]}}`, for each answer
+      position `j = 0 .. L-1` (the `j+1`-th letter written after SEP) how many strings
+      have it right, and how many have the string's first letter there instead.
+    """
+    tokens = greedy_answers(model, strings)
+    ok = data.answers_correct(tokens, strings)
+    sizes = np.array([len(s) for s in strings])
+    lengths = sorted(set(sizes.tolist()))
+    answers = [tokens[i, len(s) + 1 : 2 * len(s) + 1] for i, s in enumerate(strings)]
+    letters = np.array([int(np.sum(a == s[::-1])) for a, s in zip(answers, strings)])
+
+    def by_position(n: int) -> dict:
+        rows = [i for i, s in enumerate(strings) if len(s) == n]
+        right = np.sum([answers[i] == strings[i][::-1] for i in rows], axis=0)
+        first = np.sum([answers[i] == strings[i][0] for i in rows], axis=0)
+        return {"right": right.astype(int).tolist(), "first_letter": first.astype(int).tolist()}
+
+    return {
+        "correct": int(ok.sum()),
+        "total": len(strings),
+        "by_length": {str(n): [int(ok[sizes == n].sum()), int((sizes == n).sum())] for n in lengths},
+        "letter_accuracy": float(letters.sum() / sizes.sum()),
+        "letters_by_length": {
+            str(n): [int(letters[sizes == n].sum()), int(sizes[sizes == n].sum())] for n in lengths
+        },
+        "by_position": {str(n): by_position(n) for n in lengths},
+    }
+
+
+class Uncached(eqx.Module):
+    """The model without its cache methods, so `eqrope.generate` takes the uncached path
+    (the whole text again for every token). The seed page's `Plain`, as a pytree."""
+
+    model: eqrope.RotaryDecoder
+
+    @property
+    def max_len(self) -> int:
+        return self.model.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def __call__(self, ids):
+        return self.model(ids)
+
+
+def cache_equality(model, n: int, seed: int) -> list[int]:
+    """On `n` random reversal prompts (lengths 3 to 12), greedy generation of 12 tokens
+    with the cache and without it. **Returns:** `[identical rows, n]`."""
+    if n == 0:
+        return [0, 0]
+    strings = data.random_strings(np.random.default_rng(seed), n, tuple(range(3, 13)))
+    prompt, lengths = data.prompts(strings)
+    prompt, lengths = jnp.asarray(prompt), jnp.asarray(lengths)
+    cached = eqrope.generate(model, prompt, data.MAX_STRING, prompt_lengths=lengths)
+    plain = eqrope.generate(Uncached(model), prompt, data.MAX_STRING, prompt_lengths=lengths)
+    same = np.all(np.asarray(cached) == np.asarray(plain), axis=1)
+    return [int(same.sum()), n]
+
+
+def checkpoint_dir(args, kind: str, seed: int) -> Path:
+    return args.checkpoints / args.name / f"{kind}_seed{seed}"
+
+
+def trained_model(args, kind: str, seed: int):
+    """Train (and save) the model, or with `--load` read it back."""
+    path = checkpoint_dir(args, kind, seed)
+    info_file = path / "train.json"
+    if args.load:
+        if not info_file.is_file():
+            raise FileNotFoundError(
+                f"--load: no checkpoint at {path}; run once without --load (same --name, "
+                "--checkpoints, --models and --seeds) to train and save it."
+            )
+        model = eqrope.load(path)
+        info = json.loads(info_file.read_text())
+        if model.config.rope_base != args.rope_base and kind == "rotary":
+            raise ValueError(
+                f"--load: {path} has rope_base {model.config.rope_base}, but --rope-base is "
+                f"{args.rope_base}; pass the same --rope-base or another --name."
+            )
+        return model, info
+    model = build_model(kind, args.rope_base, key=jax.random.PRNGKey(seed))
+    model, info = train(model, args, seed, f"{kind} seed {seed}")
+    info.update(steps=args.steps, batch=args.batch, lr=args.lr, train_lengths=list(args.train_lengths))
+    eqrope.save(path, model)
+    info_file.write_text(json.dumps(info, indent=2) + "\n")
+    return model, info
+
+
+def markdown_table(result: dict) -> str:
+    """Correct answers by length: the mean over seeds and each seed's count."""
+    models = list(result["runs"])
+    seeds = result["settings"]["seeds"]
+    lines = [
+        f"Exact-match answers by string length, `{result['name']}` "
+        f"(trained on lengths {result['settings']['train_lengths_text']}, seeds {seeds}).",
+        "",
+        "| lengths | length | strings | "
+        + " | ".join(f"{m}: mean | {m}: per seed" for m in models)
+        + " |",
+        "|---|---:|---:|" + "---:|---|" * len(models),
+    ]
+    for spec in result["settings"]["test_lengths"]:
+        by_length = result["runs"][models[0]][0]["tests"][spec]["by_length"]
+        rows = [(n, count[1]) for n, count in by_length.items()] + [("all", None)]
+        for n, total in rows:
+            cells = []
+            for m in models:
+                if n == "all":
+                    counts = [r["tests"][spec]["correct"] for r in result["runs"][m]]
+                    total = result["runs"][m][0]["tests"][spec]["total"]
+                else:
+                    counts = [r["tests"][spec]["by_length"][n][0] for r in result["runs"][m]]
+                cells.append(f"{np.mean(counts):.1f} | {', '.join(map(str, counts))}")
+            label = f"**{n}**" if n == "all" else n
+            lines.append(f"| {spec} | {label} | {total} | " + " | ".join(cells) + " |")
+    lines += ["", "Answer letters right (greedy, all positions of the answer), per seed:", ""]
+    for spec in result["settings"]["test_lengths"]:
+        cells = []
+        for m in models:
+            fractions = [r["tests"][spec]["letter_accuracy"] for r in result["runs"][m]]
+            cells.append(f"{m} {np.mean(fractions):.3f} ({', '.join(f'{f:.3f}' for f in fractions)})")
+        lines.append(f"- lengths {spec}: " + "; ".join(cells))
+    lines += position_table(result)
+    lines += ["", "Cache equality (identical greedy tokens with and without the cache):", ""]
+    for m in models:
+        counts = [f"{r['cache_equal'][0]}/{r['cache_equal'][1]}" for r in result["runs"][m]]
+        lines.append(f"- {m}: " + ", ".join(counts) + " (per seed)")
+    return "\n".join(lines) + "\n"
+
+
+def position_table(result: dict) -> list[str]:
+    """For the shortest length not trained on: per answer position, the share of strings
+    with the right letter there, and the share with the string's first letter there."""
+    train = set(result["settings"]["train_lengths"])
+    first_run = next(iter(result["runs"].values()))[0]
+    unseen = [(int(n), spec) for spec, t in first_run["tests"].items() for n in t["by_position"]]
+    unseen = sorted((n, spec) for n, spec in unseen if n not in train)
+    if not unseen:
+        return []
+    n, spec = unseen[0]
+    head = " | ".join(str(j + 1) for j in range(n))
+    lines = [
+        "",
+        f"Strings of length {n} (not trained on), by answer position (1 = first letter written "
+        "after SEP): share with the right letter / share with the string's first letter.",
+        "",
+        f"| model | seed | {head} |",
+        "|---|---:|" + "---|" * n,
+    ]
+    for m, runs in result["runs"].items():
+        for r in runs:
+            counts = r["tests"][spec]["by_position"][str(n)]
+            total = r["tests"][spec]["by_length"][str(n)][1]
+            cells = " | ".join(
+                f"{right / total:.2f} / {first / total:.2f}"
+                for right, first in zip(counts["right"], counts["first_letter"])
+            )
+            lines.append(f"| {m} | {r['seed']} | {cells} |")
+    return lines
+
+
+def plot(result: dict, path: Path) -> None:
+    """Accuracy by length, like the chapter's Figure 2.2: exact match on the left, answer
+    letters right on the right; lengths the models did not train on are shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train_lengths = set(result["settings"]["train_lengths"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    panels = (("by_length", "exact-match accuracy"), ("letters_by_length", "answer letters right"))
+    tested: set[int] = set()
+    for ax, (field, ylabel) in zip(axes, panels):
+        for m, marker in zip(result["runs"], "os^v"):
+            per_seed: dict[int, list[float]] = {}
+            for run in result["runs"][m]:
+                for test in run["tests"].values():
+                    for n, (right, total) in test[field].items():
+                        per_seed.setdefault(int(n), []).append(right / total)
+            lengths = sorted(per_seed)
+            tested.update(lengths)
+            means = [np.mean(per_seed[n]) for n in lengths]
+            (line,) = ax.plot(lengths, means, marker=marker, label=f"{m} (mean of {len(result['runs'][m])} seeds)")
+            for n in lengths:
+                ax.scatter([n] * len(per_seed[n]), per_seed[n], s=10, alpha=0.4, color=line.get_color())
+        for n in sorted(tested - train_lengths):
+            ax.axvspan(n - 0.5, n + 0.5, color="0.85", zorder=0, lw=0)
+        ax.set_xlabel("string length")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xticks(sorted(tested))
+    axes[1].axhline(1 / data.N_LETTERS, color="0.5", ls=":", lw=1, label="chance (1/10)")
+    axes[0].legend(fontsize=8, loc="center left")
+    axes[1].legend(fontsize=8, loc="best")
+    fig.suptitle(f"String reversal ({result['name']}); shaded: lengths not trained on", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", default="main", help="name of this experiment (file names)")
+    p.add_argument("--models", nargs="+", default=["rotary", "learned"], choices=list(MODELS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="training seeds (model init and training data)")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--rope-base", type=float, default=10000.0)
+    p.add_argument("--train-lengths", default="3-8", help="e.g. 3-8 or 3-8,11-12")
+    p.add_argument("--test-lengths", nargs="+", default=["3-8", "9-12"],
+                   help="one test set of --n-test strings per entry")
+    p.add_argument("--n-test", type=int, default=500)
+    p.add_argument("--cache-prompts", type=int, default=200,
+                   help="prompts for the cache-equality check (0 skips it)")
+    p.add_argument("--out", type=Path, default=Path("experiments/results"))
+    p.add_argument("--checkpoints", type=Path, default=Path("experiments/checkpoints"))
+    p.add_argument("--load", action="store_true", help="load saved models, skip training")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch", "n_test"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.cache_prompts < 0:
+        p.error("--cache-prompts must be >= 0")
+    try:
+        args.train_lengths_text = args.train_lengths
+        args.train_lengths = data.parse_lengths(args.train_lengths)
+        for spec in args.test_lengths:
+            data.parse_lengths(spec)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tests = make_test_sets(args)
+    settings = {
+        "models": args.models,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "batch": args.batch,
+        "optimizer": "clip_by_global_norm(1.0) + adamw(weight_decay=0.01)",
+        "lr": args.lr,
+        "schedule": f"linear warm-up over {args.warmup} steps to lr, cosine decay to lr/10",
+        "rope_base": args.rope_base,
+        "train_lengths": list(args.train_lengths),
+        "train_lengths_text": args.train_lengths_text,
+        "test_lengths": args.test_lengths,
+        "n_test": args.n_test,
+        "test_seed": TEST_SEED,
+        "cache_prompts": args.cache_prompts,
+        "vocab": {"letters": "ids 0-9 (a-j)", "SEP": data.SEP, "PAD": data.PAD},
+        "loaded": args.load,
+    }
+    result = {"name": args.name, "command": " ".join(["python", *sys.argv]), "settings": settings, "runs": {}}
+    for kind in args.models:
+        result["runs"][kind] = []
+        for seed in args.seeds:
+            model, info = trained_model(args, kind, seed)
+            run = {"seed": seed, "params": eqrope.count_params(model), **info, "tests": {}}
+            for spec, strings in tests.items():
+                run["tests"][spec] = evaluate(model, strings)
+            run["cache_equal"] = cache_equality(model, args.cache_prompts, seed=10_000 + seed)
+            summary = ", ".join(f"{s}: {t['correct']}/{t['total']}" for s, t in run["tests"].items())
+            print(
+                f"{kind} seed {seed}: loss {run['final_loss']:.4f}, {summary}, cache "
+                f"{run['cache_equal'][0]}/{run['cache_equal'][1]}",
+                flush=True,
+            )
+            result["runs"][kind].append(run)
+    result["wall_seconds"] = round(time.perf_counter() - start, 1)
+    stem = args.out / f"reversal_{args.name}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown_table(result)
+    stem.with_suffix(".md").write_text(table)
+    plot(result, stem.with_suffix(".png"))
+    print(table)
+    print(f"wrote {stem}.json, .md, .png in {result['wall_seconds']} s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
