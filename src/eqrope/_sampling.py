@@ -28,25 +28,25 @@ def sample_token(
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[0]
-    greedy = jnp.argmax(logits).astype(jnp.int32)
-    greedy_logprob = jax.nn.log_softmax(logits)[greedy]
 
-    sampled = temperature > 0
-    scaled = logits / jnp.where(sampled, temperature, 1.0).astype(jnp.float32)
-    # One sort serves both filters: masking the sorted logits keeps them sorted.
-    descending = jnp.sort(scaled)[::-1]
-    kth = descending[jnp.clip(top_k, 1, vocab) - 1]
-    descending = jnp.where(descending >= kth, descending, -jnp.inf)
-    probs = jax.nn.softmax(descending)
-    mass_before = jnp.cumsum(probs) - probs
-    n_keep = jnp.sum(mass_before < top_p)
-    threshold = descending[jnp.maximum(n_keep, 1) - 1]
-    # With top_p = 1 rounding can count a masked (-inf) entry as kept; kth still holds.
-    filtered = jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
+    def greedy(_):
+        token = jnp.argmax(logits).astype(jnp.int32)
+        return token, jax.nn.log_softmax(logits)[token]
 
-    token = jax.random.categorical(key, filtered).astype(jnp.int32)
-    logprob = jax.nn.log_softmax(filtered)[token]
-    return (
-        jnp.where(sampled, token, greedy),
-        jnp.where(sampled, logprob, greedy_logprob),
-    )
+    def sample(_):
+        scaled = logits / temperature.astype(jnp.float32)
+        # One sort serves both filters: masking the sorted logits keeps them sorted.
+        descending = jnp.sort(scaled)[::-1]
+        kth = descending[jnp.clip(top_k, 1, vocab) - 1]
+        descending = jnp.where(descending >= kth, descending, -jnp.inf)
+        probs = jax.nn.softmax(descending)
+        mass_before = jnp.cumsum(probs) - probs
+        n_keep = jnp.sum(mass_before < top_p)
+        threshold = descending[jnp.maximum(n_keep, 1) - 1]
+        # With top_p = 1 rounding can count a masked (-inf) entry as kept; kth still holds.
+        filtered = jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
+        token = jax.random.categorical(key, filtered).astype(jnp.int32)
+        return token, jax.nn.log_softmax(filtered)[token]
+
+    # A real branch, not a select: greedy decoding skips the sort and the random draw.
+    return jax.lax.cond(temperature > 0, sample, greedy, None)
