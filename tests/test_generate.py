@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import eqrope
-from _models import random_model
+from _models import Plain, random_model
 from eqrope import _generate
 
 
@@ -34,20 +34,6 @@ def make_model(seed=0, **options):
 @pytest.fixture(scope="module")
 def model():
     return make_model(0)
-
-
-class Plain(eqx.Module):
-    """The seed's wrapper: only `ids -> logits` and `max_len`, so generate runs uncached."""
-
-    inner: eqrope.RotaryDecoder
-    max_len: int = eqx.field(static=True)
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.max_len = inner.max_len
-
-    def __call__(self, ids):
-        return self.inner(ids)
 
 
 @eqx.filter_jit

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqrope
-from _models import random_model
+from _models import Plain, random_model
 
 
 # vocab, d_model, heads, kv_heads, blocks, max_len, d_ff, prefill_chunk
@@ -59,20 +59,6 @@ def model_for(config_index, seed):
             seed, vocab, d, heads, blocks, max_len, n_kv_heads=kv, d_ff=d_ff
         )
     return _MODELS[config_index, seed]
-
-
-class Plain(eqx.Module):
-    """Only `ids -> logits` and `max_len`: generate takes the uncached path."""
-
-    inner: eqrope.RotaryDecoder
-    max_len: int = eqx.field(static=True)
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.max_len = inner.max_len
-
-    def __call__(self, ids):
-        return self.inner(ids)
 
 
 @eqx.filter_jit
