@@ -23,6 +23,7 @@ from jaxtyping import install_import_hook
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 with install_import_hook("eqrope", "beartype.beartype"):
     import eqrope
+    import eqrope.testing
     from eqrope import _generate
 
 import equinox as eqx
@@ -140,7 +141,7 @@ def check_training(out: dict) -> None:
                 "grads_size": max_diff(ref1[1][0].trace, jax.tree.map(jnp.zeros_like, ref1[1][0].trace)),
                 "same_shardings": same_placement(placed, out1[:2]) and same_placement(placed, out2[:2]),
                 "loss_spec": spec(out1[2]),
-                "collectives": counter_json(eqrope.hlo_collectives(text, mesh)),
+                "collectives": counter_json(eqrope.testing.hlo_collectives(text, mesh)),
                 "local_wqkv": _has_shape(text, "f32[2,64,32]"),
                 "global_wqkv": _has_shape(text, "f32[2,64,128]"),
             }
@@ -238,7 +239,7 @@ def check_generation(out: dict) -> None:
     out["generation"]["cache_sizes"] = sharded_sizes(shape, cache_sharding.spec)
     out["generation"]["local_cache"] = _has_shape(text, "f32[" + ",".join(map(str, local)) + "]")
     out["generation"]["global_cache"] = _has_shape(text, "f32[" + ",".join(map(str, shape)) + "]")
-    out["generation"]["collectives"] = counter_json(eqrope.hlo_collectives(text, mesh))
+    out["generation"]["collectives"] = counter_json(eqrope.testing.hlo_collectives(text, mesh))
 
 
 def abstract_model(**options):
@@ -295,7 +296,7 @@ def check_hlo_parser(out: dict) -> None:
     for name, (spec_in, spec_out, f) in cases.items():
         xs = jax.device_put(x, NamedSharding(mesh, spec_in))
         f = jax.jit(f, out_shardings=NamedSharding(mesh, spec_out))
-        found[name] = counter_json(eqrope.hlo_collectives(f.lower(xs).compile().as_text(), mesh))
+        found[name] = counter_json(eqrope.testing.hlo_collectives(f.lower(xs).compile().as_text(), mesh))
     out["hlo_parser"] = found
 
 

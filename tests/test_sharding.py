@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 
 import eqrope
+import eqrope.testing
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,7 +190,7 @@ def test_hlo_collectives_reads_every_spelling():
     # [4,2]<=[2,4]T(1,0) = {0,4},{1,5},..: data; pairs 0->1..3->0: model; device_ids
     # [0,4,1,5,2,6,3,7] on a (4,1,2) grid, groups over axis_0 = {0,1,2,3},{4,5,6,7}: model;
     # {} = all devices; {0,1},{2,3},..: model; a (2,4) grid over axis_0 = {0,4},..: data.
-    assert eqrope.hlo_collectives(HLO, MESH) == Counter(
+    assert eqrope.testing.hlo_collectives(HLO, MESH) == Counter(
         {
             ("all-reduce", ("data",)): 3,
             ("all-gather", ("model",)): 1,

@@ -4,7 +4,7 @@ eqrope does no communication of its own. Arrays are placed with
 `jax.sharding.NamedSharding` on a mesh with axes `"data"` and `"model"`; the unchanged
 model code then runs under `jax.jit`, and XLA's SPMD partitioner splits every operation
 and inserts the collectives (all-reduce, all-gather, ...) that the placement implies.
-[`eqrope.hlo_collectives`][] (in `_hlo.py`) lists them from the compiled program.
+[`eqrope.testing.hlo_collectives`][] lists them from the compiled program.
 
 A rule maps one *logical* axis of the decoder (`vocab`, `d_model`, `heads`, `kv_heads`,
 `d_ff`, `batch`, `max_len`) to a mesh axis or to `None` (replicated). Every array of the

@@ -1,6 +1,11 @@
-"""Which collectives a compiled program runs, and over which mesh axes.
+"""Aids for tests and benchmarks, kept out of the top-level API: `import eqrope.testing`.
 
-Reads the text of a compiled XLA program (`jax.jit(f).lower(...).compile().as_text()`) and
+- [`eqrope.testing.Uncached`][]: a model without its cache methods, so that
+  [`eqrope.generate`][] takes the uncached reference path.
+- [`eqrope.testing.hlo_collectives`][]: which collectives a compiled program runs, and
+  over which mesh axes.
+
+`hlo_collectives` reads the text of a compiled XLA program (`jax.jit(f).lower(...).compile().as_text()`) and
 counts each collective instruction by the mesh axes its replica groups span, so a test or
 a reader can check, say, that a data-parallel train step all-reduces its gradients over
 `"data"` and nothing else.
@@ -9,7 +14,31 @@ a reader can check, say, that a data-parallel train step all-reduces its gradien
 import re
 from collections import Counter
 
+import equinox as eqx
 import numpy as np
+
+from ._decoder import RotaryDecoder
+
+
+class Uncached(eqx.Module):
+    """A decoder seen only as `ids -> logits`, with `max_len` and `vocab_size`.
+
+    It has no cache methods, so [`eqrope.generate`][] takes the uncached reference path:
+    the whole text runs again for every new token (the seed page's `Plain`, as a pytree).
+    """
+
+    model: RotaryDecoder
+
+    @property
+    def max_len(self) -> int:
+        return self.model.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def __call__(self, ids):
+        return self.model(ids)
 
 
 _COLLECTIVES = (
