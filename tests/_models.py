@@ -35,17 +35,3 @@ def random_model(seed, *args, **kwargs):
         return jnp.asarray(value, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(fill, skeleton)
-
-
-class Plain(eqx.Module):
-    """The seed's wrapper: only `ids -> logits` and `max_len`, so generate runs uncached."""
-
-    inner: eqrope.RotaryDecoder
-    max_len: int = eqx.field(static=True)
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.max_len = inner.max_len
-
-    def __call__(self, ids):
-        return self.inner(ids)

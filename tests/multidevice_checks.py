@@ -11,12 +11,14 @@ one of two processes joined by `jax.distributed.initialize`, the multi-host laun
 one machine, and checks training and generation on the mesh that spans both.
 """
 
+import collections
 import json
 import re
 import sys
 import time
 
 import jax
+import jax.monitoring
 from jaxtyping import install_import_hook
 
 
@@ -24,7 +26,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 with install_import_hook("eqrope", "beartype.beartype"):
     import eqrope
     import eqrope.testing
-    from eqrope import _generate
+    from eqrope import _decode, _sampling
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -36,6 +38,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 SIZES = dict(vocab_size=256, d_model=64, n_heads=8, n_blocks=2, max_len=32)
 OPTIONS = dict(n_kv_heads=4, d_ff=96, bias=True)
 BATCH, SEQ = 8, 16
+# Traces by function name, counted from jax.monitoring events (the library keeps no counter).
+TRACES = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: TRACES.update([kw.get("fun_name")])
+    if event == "/jax/core/compile/jaxpr_trace_duration"
+    else None
+)
 # One-device results saved for the two-process run (`--save` / `--reference`).
 REFERENCE = {}
 
@@ -202,14 +211,14 @@ def check_generation(out: dict) -> None:
         for s in settings
     ]
     REFERENCE["tokens"] = np.asarray(refs[0].tokens)
-    before = _generate._TRACES
+    traces_before = TRACES["generate_cached"]
     gens = [
         eqrope.generate(
             placed, prompt, 20, prompt_lengths=lengths, return_logprobs=True, mesh=mesh, **s
         )
         for s in settings
     ]
-    traces = _generate._TRACES - before
+    traces = TRACES["generate_cached"] - traces_before
     out["generation"] = {
         "traces": traces,
         "tokens_equal": [bool(jnp.array_equal(r.tokens, g.tokens)) for r, g in zip(refs, gens)],
@@ -225,13 +234,15 @@ def check_generation(out: dict) -> None:
         placed,
         *eqrope.shard_batch((jnp.zeros((6, SIZES["max_len"]), jnp.int32), lengths), mesh),
         jnp.asarray(20, jnp.int32),
-        jnp.asarray(0.0, jnp.float32),
-        jnp.asarray(SIZES["vocab_size"], jnp.int32),
-        jnp.asarray(1.0, jnp.float32),
+        _sampling.Sampling(
+            temperature=jnp.asarray(0.0, jnp.float32),
+            top_k=jnp.asarray(SIZES["vocab_size"], jnp.int32),
+            top_p=jnp.asarray(1.0, jnp.float32),
+            eos=jnp.asarray(-1, jnp.int32),
+        ),
         eqrope.shard_batch(jnp.zeros((6, 2), jnp.uint32), mesh),
-        jnp.asarray(-1, jnp.int32),
     )
-    compiled = _generate._generate_cached.lower(*args, chunk=32, mesh=mesh).compile()
+    compiled = _decode.generate_cached.lower(*args, chunk=32, mesh=mesh).compile()
     text = compiled.compiled.as_text()
     shape = abstract.keys.shape
     local = cache_sharding.shard_shape(shape)

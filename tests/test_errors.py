@@ -263,7 +263,7 @@ KEY = jax.random.PRNGKey(0)
         (jnp.zeros((1, 2, 3), jnp.int32), {}, ValueError, r"prompt must have rank 1 or 2"),
         (ints(1, -1), {}, ValueError, r"prompt holds token ids outside \[0, 13\)"),
         (ints(1, VOCAB), {}, ValueError, r"prompt holds token ids outside \[0, 13\)"),
-        (ints(1, 2), dict(max_new=-1), ValueError, r"max_new must be >= 0"),
+        (ints(1, 2), dict(max_new=-1), ValueError, r"max_new must be an int >= 0"),
         (ints(1, 2), dict(max_new=2.0), TypeError, r"max_new"),
         (ints(1, 2), dict(temperature=-0.5, key=KEY), ValueError, r"temperature must be >= 0"),
         (
@@ -273,8 +273,8 @@ KEY = jax.random.PRNGKey(0)
             r"temperature must be >= 0",
         ),
         (ints(1, 2), dict(temperature=0.7), ValueError, r"temperature > 0.*key"),
-        (ints(1, 2), dict(top_k=0), ValueError, r"top_k must be an int >= 1"),
-        (ints(1, 2), dict(top_k=-3), ValueError, r"top_k must be an int >= 1"),
+        (ints(1, 2), dict(top_k=0), ValueError, r"top_k must be a positive int"),
+        (ints(1, 2), dict(top_k=-3), ValueError, r"top_k must be a positive int"),
         (ints(1, 2), dict(top_k=2.5), (TypeError, ValueError), r"top_k"),
         (ints(1, 2), dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
         (ints(1, 2), dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
@@ -360,3 +360,34 @@ def test_uncached_path_rejects_out_of_vocab_prompt(model):
     # Plain has no vocab_size, so generate cannot check the prompt itself: the model must.
     with pytest.raises((ValueError, eqx.EquinoxRuntimeError), match=r"token id"):
         eqrope.generate(Plain(model, MAX_LEN), ints(1, VOCAB + 3), 2)
+
+
+# -- one int check for every integer argument ------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "4", None])
+def test_integer_arguments_refuse_bools_floats_and_strings(model, value):
+    """Every integer argument goes through one check, so they refuse the same things
+    (before it, `prefill_chunk=True` was taken as 1)."""
+    calls = {
+        "prefill_chunk": lambda: eqrope.generate(model, ints(1, 2), 2, prefill_chunk=value),
+        "max_new": lambda: eqrope.generate(model, ints(1, 2), value),
+        "batch": lambda: model.init_cache(value) if value is not None else model.init_cache("x"),
+        "chunk": lambda: model.init_cache(chunk=value),
+        "d_ff": lambda: eqrope.DecoderConfig(13, 16, 2, 1, 8, d_ff=value if value else "x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises((TypeError, ValueError), match=name):
+            call()
+
+
+def test_unknown_decoder_option_is_named():
+    with pytest.raises(TypeError, match=r"unknown options \['colour'\].*n_kv_heads"):
+        eqrope.RotaryDecoder(13, 16, 2, 1, 8, colour="red", key=jax.random.PRNGKey(0))
+
+
+def test_from_config_rebuilds_the_same_config():
+    config = eqrope.DecoderConfig(13, 16, 2, 1, 8, n_kv_heads=1, tie_embeddings=True, dtype=jnp.bfloat16)
+    model = eqrope.RotaryDecoder.from_config(config, key=jax.random.PRNGKey(0))
+    assert model.config == config and config.dtype == "bfloat16"
+    assert model.embed.dtype == jnp.bfloat16 and model.head is None

@@ -17,8 +17,10 @@ import optax
 import pytest
 
 import eqrope
-from _models import Plain, random_model
-from eqrope import _generate
+from _compiles import counting
+from _models import random_model
+from eqrope import _decode
+from eqrope.testing import Uncached
 
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, BLOCKS, MAX_LEN, D_FF = 29, 32, 4, 2, 2, 24, 64
@@ -146,19 +148,17 @@ def test_padded_prefill_gives_the_same_logits_and_masks_the_pads(model):
 
 
 @pytest.mark.usefixtures("precision")
-def test_cache_read_in_small_kv_chunks_gives_the_same_logits(model):
-    """`kv_chunk` < max_len takes the chunked streaming-softmax path over the cache, with
-    a last chunk that overlaps the one before it (24 = 4 * 5 + 4)."""
+def test_cache_read_in_small_chunks_gives_the_same_logits(model):
+    """A cache `chunk` < max_len takes the chunked streaming-softmax path over the cache,
+    with a last chunk that overlaps the one before it (24 = 4 * 5 + 4)."""
     ids = random_ids(24, MAX_LEN)
     want = _full(model, ids)
-    chunked_step = eqx.filter_jit(lambda m, t, c, p: m.step(t, c, p, kv_chunk=5))
-    chunked_prefill = eqx.filter_jit(lambda m, x, c, p: m.prefill(x, c, p, kv_chunk=5))
-    _, cache = chunked_prefill(model, ids[:12], model.init_cache(), i32(0))
-    logits, cache = chunked_prefill(model, ids[12:], cache, i32(12))
+    _, cache = prefill(model, ids[:12], model.init_cache(chunk=5), i32(0))
+    logits, cache = prefill(model, ids[12:], cache, i32(12))
     assert_close(logits, want[12:])
-    cache = model.init_cache()
+    cache = model.init_cache(chunk=5)
     for t in range(MAX_LEN):
-        logits, cache = chunked_step(model, ids[t], cache, i32(t))
+        logits, cache = step(model, ids[t], cache, i32(t))
         assert_close(logits, want[t])
 
 
@@ -226,7 +226,7 @@ def test_cached_and_uncached_give_identical_tokens(model, name):
     prompt = random_ids(7, 5)
     kwargs = dict(SETTINGS[name], key=jax.random.PRNGKey(11))
     cached = eqrope.generate(model, prompt, 10, **kwargs)
-    uncached = eqrope.generate(Plain(model), prompt, 10, **kwargs)
+    uncached = eqrope.generate(Uncached(model), prompt, 10, **kwargs)
     assert cached.shape == (15,)
     np.testing.assert_array_equal(np.asarray(cached[:5]), np.asarray(prompt))
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(uncached))
@@ -292,7 +292,7 @@ def test_cached_equals_uncached_under_both_precisions(model):
     prompt = random_ids(9, 6)
     for kwargs in (dict(), dict(temperature=0.9, top_k=7, top_p=0.9, key=jax.random.PRNGKey(1))):
         cached = eqrope.generate(model, prompt, 9, **kwargs)
-        uncached = eqrope.generate(Plain(model), prompt, 9, **kwargs)
+        uncached = eqrope.generate(Uncached(model), prompt, 9, **kwargs)
         np.testing.assert_array_equal(np.asarray(cached), np.asarray(uncached))
 
 
@@ -310,7 +310,7 @@ def test_chapter_variant_with_learned_positions_generates_like_the_uncached_path
     for kwargs in (dict(), dict(temperature=1.0, key=jax.random.PRNGKey(2))):
         np.testing.assert_array_equal(
             np.asarray(eqrope.generate(chapter, ids[:5], 9, **kwargs)),
-            np.asarray(eqrope.generate(Plain(chapter), ids[:5], 9, **kwargs)),
+            np.asarray(eqrope.generate(Uncached(chapter), ids[:5], 9, **kwargs)),
         )
 
 
@@ -320,10 +320,10 @@ def test_chapter_variant_with_learned_positions_generates_like_the_uncached_path
 def test_generate_compiles_once_per_max_len(capsys):
     # A max_len no other test uses, so the first call must trace.
     model = make_model(3, max_len=20)
-    before = _generate._TRACES
     key = jax.random.PRNGKey(0)
-    eqrope.generate(model, random_ids(0, 5), 4)
-    first = _generate._TRACES - before
+    with counting() as c:
+        eqrope.generate(model, random_ids(0, 5), 4)
+    first = c.traces["generate_cached"]
     assert first == 1
     variations = [
         dict(prompt=random_ids(1, 3)),  # prompt length
@@ -342,18 +342,20 @@ def test_generate_compiles_once_per_max_len(capsys):
         dict(eos_id=3),
         dict(return_logprobs=True),
     ]
-    for change in variations:
-        kwargs = dict(prompt=random_ids(0, 5), max_new=4)
-        kwargs.update(change)
-        prompt, max_new = kwargs.pop("prompt"), kwargs.pop("max_new")
-        eqrope.generate(model, prompt, max_new, **kwargs)
-    after_variations = _generate._TRACES - before
+    with counting() as c:
+        for change in variations:
+            kwargs = dict(prompt=random_ids(0, 5), max_new=4)
+            kwargs.update(change)
+            prompt, max_new = kwargs.pop("prompt"), kwargs.pop("max_new")
+            eqrope.generate(model, prompt, max_new, **kwargs)
+    after_variations = first + c.traces["generate_cached"]
     assert after_variations == 1, f"retraced for one of {variations}"
-    eqrope.generate(make_model(4, max_len=22), random_ids(0, 5), 4)  # a new max_len
-    after_new_max_len = _generate._TRACES - before
+    with counting() as c:
+        eqrope.generate(make_model(4, max_len=22), random_ids(0, 5), 4)  # a new max_len
+        after_new_max_len = after_variations + c.traces["generate_cached"]
+        eqrope.generate(model, random_ids(3, 7), 2)  # back to max_len 20: compiled already
     assert after_new_max_len == 2
-    eqrope.generate(model, random_ids(3, 7), 2)  # back to max_len 20: compiled already
-    assert _generate._TRACES - before == 2
+    assert c.traces["generate_cached"] == 1
     with capsys.disabled():
         print(
             f"\ntrace counts: first call {first}, after {len(variations)} variations "
@@ -364,30 +366,30 @@ def test_generate_compiles_once_per_max_len(capsys):
 def test_weights_are_arguments_not_constants(model):
     prompt = random_ids(10, 5)
     before = eqrope.generate(model, prompt, 8)
-    traces = _generate._TRACES
-    # 1. eqx.tree_at: a head bias that makes token 7 win everywhere.
-    biased = eqx.tree_at(lambda m: m.head_bias, model, model.head_bias.at[7].add(100.0))
-    out = eqrope.generate(biased, prompt, 8)
-    np.testing.assert_array_equal(np.asarray(out[5:]), [7] * 8)
-    np.testing.assert_array_equal(
-        np.asarray(out), np.asarray(eqrope.generate(Plain(biased), prompt, 8))
-    )
-    # 2. An optax update that teaches the model to continue with token 11. (Plain SGD:
-    # optax.adam's bias correction fails under the suite's strict dtype promotion.)
-    optimizer = optax.sgd(0.5)
-    train_step = eqrope.make_train_step(optimizer)
-    trained, opt_state = model, eqrope.init_optimizer(optimizer, model)
-    ids = jnp.concatenate([prompt[None], jnp.full((1, 7), 11, jnp.int32)], axis=1)
-    ids = jnp.tile(ids, (2, 1))
-    for _ in range(5):
-        trained, opt_state, _ = train_step(trained, opt_state, ids[:, :-1], ids[:, 1:])
-    out = eqrope.generate(trained, prompt, 8)
-    assert not np.array_equal(np.asarray(out), np.asarray(before))
-    assert int(jnp.sum(out[5:] == 11)) >= 4
-    np.testing.assert_array_equal(
-        np.asarray(out), np.asarray(eqrope.generate(Plain(trained), prompt, 8))
-    )
-    assert _generate._TRACES == traces  # neither new model retraced
+    with counting() as c:
+        # 1. eqx.tree_at: a head bias that makes token 7 win everywhere.
+        biased = eqx.tree_at(lambda m: m.head_bias, model, model.head_bias.at[7].add(100.0))
+        out = eqrope.generate(biased, prompt, 8)
+        np.testing.assert_array_equal(np.asarray(out[5:]), [7] * 8)
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(eqrope.generate(Uncached(biased), prompt, 8))
+        )
+        # 2. An optax update that teaches the model to continue with token 11. (Plain SGD:
+        # optax.adam's bias correction fails under the suite's strict dtype promotion.)
+        optimizer = optax.sgd(0.5)
+        train_step = eqrope.make_train_step(optimizer)
+        trained, opt_state = model, eqrope.init_optimizer(optimizer, model)
+        ids = jnp.concatenate([prompt[None], jnp.full((1, 7), 11, jnp.int32)], axis=1)
+        ids = jnp.tile(ids, (2, 1))
+        for _ in range(5):
+            trained, opt_state, _ = train_step(trained, opt_state, ids[:, :-1], ids[:, 1:])
+        out = eqrope.generate(trained, prompt, 8)
+        assert not np.array_equal(np.asarray(out), np.asarray(before))
+        assert int(jnp.sum(out[5:] == 11)) >= 4
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(eqrope.generate(Uncached(trained), prompt, 8))
+        )
+    assert c.traces["generate_cached"] == 0  # neither new model retraced
 
 
 # -- log-probabilities and their gradient ----------------------------------------------------
@@ -548,7 +550,7 @@ def test_generation_stops_at_max_len(model):
     out = eqrope.generate(model, prompt, 10)  # 20 + 10 > max_len = 24
     assert out.shape == (MAX_LEN,)
     np.testing.assert_array_equal(
-        np.asarray(out), np.asarray(eqrope.generate(Plain(model), prompt, 10))
+        np.asarray(out), np.asarray(eqrope.generate(Uncached(model), prompt, 10))
     )
     full_prompt = random_ids(15, MAX_LEN)
     np.testing.assert_array_equal(
@@ -629,13 +631,15 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
         buffer,
         np.array([5], np.int32),
         i32(4),
-        jnp.asarray(0.0, jnp.float32),
-        i32(VOCAB),
-        jnp.asarray(1.0, jnp.float32),
+        eqrope._sampling.Sampling(
+            temperature=jnp.asarray(0.0, jnp.float32),
+            top_k=i32(VOCAB),
+            top_p=jnp.asarray(1.0, jnp.float32),
+            eos=i32(-1),
+        ),
         jnp.zeros((batch, 2), jnp.uint32),
-        i32(-1),
     )
-    closed = eqx.filter_make_jaxpr(lambda *a: _generate._generate_cached(*a, chunk=chunk))(*args)[0]
+    closed = eqx.filter_make_jaxpr(lambda *a: _decode.generate_cached(*a, chunk=chunk))(*args)[0]
     scans = [e for e in all_eqns(closed.jaxpr) if e.primitive.name == "scan"]
     decode = [e for e in scans if e.params["length"] == MAX_LEN - 1]
     prefill_loop = [e for e in scans if e.params["length"] == math.ceil(MAX_LEN / chunk)]
@@ -697,10 +701,10 @@ EXECUTED = []
 
 def test_work_follows_the_tokens_generated_not_max_len(capsys):
     inner = random_model(1, VOCAB, 16, 2, 1, 4096, d_ff=32)
-    counting = CountingDecoder(inner)
+    wrapped = CountingDecoder(inner)
     prompt = random_ids(17, 4)
     EXECUTED.clear()
-    out = eqrope.generate(counting, prompt, 6)
+    out = eqrope.generate(wrapped, prompt, 6)
     jax.effects_barrier()
     steps = [p for kind, p in EXECUTED if kind == "step"]
     prefills = [p for kind, p in EXECUTED if kind == "prefill"]

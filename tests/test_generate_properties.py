@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqrope
-from _models import Plain, random_model
+from _models import random_model
+from eqrope.testing import Uncached
 
 
 # vocab, d_model, heads, kv_heads, blocks, max_len, d_ff, prefill_chunk
@@ -114,7 +115,7 @@ def test_cached_equals_uncached(case):
     model = model_for(index, seed)
     prompt = jnp.asarray(prompt[0])
     cached = eqrope.generate(model, prompt, max_new, prefill_chunk=chunk, **sampling)
-    uncached = eqrope.generate(Plain(model), prompt, max_new, **sampling)
+    uncached = eqrope.generate(Uncached(model), prompt, max_new, **sampling)
     assert cached.shape == (min(prompt.shape[0] + max_new, model.max_len),)
     np.testing.assert_array_equal(np.asarray(cached[: prompt.shape[0]]), np.asarray(prompt))
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(uncached))

@@ -33,11 +33,11 @@ def test_nbytes_formula(model):
 def test_int8_steps_track_the_float_path(model):
     ids = jax.random.randint(jax.random.PRNGKey(1), (40,), 0, 29, dtype=jnp.int32)
     full = model(ids)
-    cache = model.init_cache(dtype="int8")
+    cache = model.init_cache(dtype="int8", chunk=16)
     _, cache = model.prefill(ids[:24], cache)
     errors = []
     for t in range(24, 40):
-        logits, cache = model.step(ids[t], cache, t, kv_chunk=16)
+        logits, cache = model.step(ids[t], cache, t)
         errors.append(float(jnp.max(jnp.abs(logits - full[t]))))
     # Per-row int8 keeps ~2 significant digits; the logits of this model are O(1).
     assert max(errors) < 2e-2
@@ -50,3 +50,17 @@ def test_float_cache_refuses_wrong_dtype(model):
     )
     with pytest.raises(ValueError, match="init_cache"):
         model.step(jnp.int32(1), bad, 0)
+
+
+@pytest.mark.parametrize("dtype", [None, "int8"])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_cache_nbytes_of_a_cache_equals_its_arrays_and_the_formula(model, dtype, batch):
+    """The call a user writes first, `cache_nbytes(model.init_cache())`, counts the
+    cache's own arrays; it agrees with the closed form for the model."""
+    cache = model.init_cache(batch, dtype=dtype)
+    arrays = sum(x.nbytes for x in jax.tree.leaves(cache))
+    formula = eqrope.cache_nbytes(model, batch=batch or 1, dtype=dtype)
+    assert eqrope.cache_nbytes(cache) == arrays == cache.nbytes == formula
+    assert eqrope.cache_nbytes(cache, positions=10) == formula // 4  # 10 of 40 rows
+    with pytest.raises(ValueError, match="reads the batch and dtype from the cache"):
+        eqrope.cache_nbytes(cache, batch=2)

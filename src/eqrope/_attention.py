@@ -90,13 +90,10 @@ class CausalSelfAttention(eqx.Module):
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
         past: BlockCache | None = None,
-        *,
-        kv_bound: Int[Array, ""] | None = None,
-        kv_chunk: int = 256,
     ) -> tuple[
         Float[Array, "seq d_model"],
-        Float[Array, "seq kv_heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
     ]:
         """Attend from `x` (at `positions`) to itself causally and to the valid past rows.
 
@@ -104,27 +101,24 @@ class CausalSelfAttention(eqx.Module):
 
         - `x`: the normalised inputs, one row per position.
         - `positions`: consecutive integer positions of the rows, starting at `positions[0]`.
-        - `past`: optional view of this block's cache; rows `r < positions[0]` are
-          attended and every later row is masked (it is stale or not yet written).
-        - `kv_bound`, `kv_chunk`: the cache is read in chunks of `kv_chunk` rows and only
-          chunks below `kv_bound` (default `positions[0]`) are visited; see
-          `eqrope._kernel.merge_cache`. Neither changes the result.
+        - `past`: optional view of this block's cache (`KVCache.block`); rows
+          `r < positions[0]` are attended and every later row is masked (it is stale or
+          not yet written). The view says how the rows are read; see
+          `eqrope._kernel.merge_cache`.
 
         **Returns:** `(out, k, v)`: the attention output and the keys (rotated) and values
-        of the rows of `x` (row-major, `(seq, kv_heads, head_dim)`).
+        of the rows of `x`, heads-major `(kv_heads, seq, head_dim)` as the cache stores them.
         """
         q, k, v = self.project(x, positions)
         seq = x.shape[0]
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
+        k, v = jnp.transpose(k, (1, 0, 2)), jnp.transpose(v, (1, 0, 2))
         state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
         if past is not None:
-            state = merge_cache(
-                state, qg, past, positions[0], kv_bound=kv_bound, kv_chunk=kv_chunk
-            )
+            state = merge_cache(state, qg, past, positions[0])
         causal = positions[None, :] <= positions[:, None]
-        heads_major = lambda x: jnp.transpose(x, (1, 0, 2))
-        out = finish(merge(state, qg, heads_major(k), heads_major(v), causal)).astype(v.dtype)
+        out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
         out = out.reshape(seq, self.n_heads * self.head_dim) @ self.wo
         if self.bo is not None:
             out = out + self.bo

@@ -46,21 +46,16 @@ class DecoderBlock(eqx.Module):
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
         past: BlockCache | None = None,
-        *,
-        kv_bound: Int[Array, ""] | None = None,
-        kv_chunk: int = 256,
     ) -> tuple[
         Float[Array, "seq d_model"],
-        Float[Array, "seq kv_heads head_dim"],
-        Float[Array, "seq kv_heads head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
+        Float[Array, "kv_heads seq head_dim"],
     ]:
         """**Returns:** `(x, k, v)`: the block's output and its new rows' keys and values.
 
-        `past`, `kv_bound` and `kv_chunk` are passed to [`eqrope.CausalSelfAttention`][].
+        `past` (this block's cache rows) is passed to [`eqrope.CausalSelfAttention`][].
         """
-        h, k, v = self.attn(
-            norm_rows(self.attn_norm, x), positions, past, kv_bound=kv_bound, kv_chunk=kv_chunk
-        )
+        h, k, v = self.attn(norm_rows(self.attn_norm, x), positions, past)
         x = x + h
         x = x + self.mlp(norm_rows(self.mlp_norm, x))
         return x, k, v

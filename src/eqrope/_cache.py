@@ -1,23 +1,35 @@
-"""The static-shape key/value cache, in the model's dtype or in int8 with per-row scales."""
+"""The static-shape key/value cache: its layout, writing, checking, quantizing and reading.
+
+Everything a reader needs to know about the cache is here. Attention sees one block's
+rows through a [`BlockCache`][eqrope.KVCache.block] view and nothing else.
+"""
+
+import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Int8
 
+from ._checks import check_int
 from ._config import DecoderConfig
 
 
 Rows = Float[Array, "*batch blocks kv_heads max_len head_dim"]
 QuantRows = Int8[Array, "*batch blocks kv_heads max_len head_dim"]
 Scales = Float[Array, "*batch blocks kv_heads max_len"]
+# New rows of every block, as attention returns them (heads-major, like the cache).
+NewRows = Float[Array, "blocks kv_heads seq head_dim"]
+
+DEFAULT_CHUNK = 256
 
 
 class KVCache(eqx.Module):
     """Keys (already rotated) and values of every block, one row per position.
 
-    The layout is heads-major, `(blocks, kv_heads, max_len, head_dim)`, so a chunk of rows
-    of one head is contiguous and attention reads it without a transpose.
+    The layout is heads-major, `(blocks, kv_heads, max_len, head_dim)`, end to end:
+    attention produces new rows in it, [`write`][eqrope.KVCache.write] stores them and
+    [`block`][eqrope.KVCache.block] reads them, with no transpose anywhere.
 
     The shape is fixed at `max_len` rows, so code that takes a cache compiles once. Row
     `t` holds position `t`; a step at position `pos` attends to rows `0 .. pos - 1` plus
@@ -29,8 +41,11 @@ class KVCache(eqx.Module):
     `value_scales`), about a quarter of the float32 bytes; rows are dequantised as they
     are read. The float caches have `None` scales.
 
+    Attention reads the rows in chunks of `chunk` rows (a static field, default 256) and
+    skips chunks past the position; see [`block`][eqrope.KVCache.block].
+
     It is immutable: `model.prefill` and `model.step` return a new cache. Under `jit`
-    (and in the `scan` of `eqrope.generate`) XLA updates the buffer in place. A batch of
+    (and in the loop of `eqrope.generate`) XLA updates the buffer in place. A batch of
     caches has a leading `batch` axis on every array (`model.init_cache(batch=...)`), and
     is used with `jax.vmap`.
     """
@@ -39,6 +54,36 @@ class KVCache(eqx.Module):
     values: Rows | QuantRows
     key_scales: Scales | None = None
     value_scales: Scales | None = None
+    chunk: int = eqx.field(static=True, default=DEFAULT_CHUNK)
+
+    @classmethod
+    def empty(
+        cls,
+        config: DecoderConfig,
+        *,
+        batch: int | None = None,
+        dtype=None,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> "KVCache":
+        """Zeros for `config`, with a leading `batch` axis if given.
+
+        `dtype=None` stores rows in the model's dtype (exact); `dtype="int8"` stores int8
+        rows with float32 per-row scales.
+        """
+        batch = check_int(batch, "batch", minimum=1, none=True)
+        chunk = check_int(chunk, "chunk", minimum=1)
+        shape = _shape(config) if batch is None else (batch, *_shape(config))
+        # Separate buffers for each field, so that the cache can be donated.
+        if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
+            zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
+            return cls(keys=zeros(), values=zeros(), chunk=chunk)
+        if jnp.dtype(dtype) == jnp.int8:
+            q = lambda: jnp.zeros(shape, jnp.int8)
+            s = lambda: jnp.ones(shape[:-1], jnp.float32)
+            return cls(keys=q(), values=q(), key_scales=s(), value_scales=s(), chunk=chunk)
+        raise ValueError(
+            f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
+        )
 
     @property
     def max_len(self) -> int:
@@ -54,13 +99,62 @@ class KVCache(eqx.Module):
         arrays = (self.keys, self.values, self.key_scales, self.value_scales)
         return int(sum(a.nbytes for a in arrays if a is not None))
 
-    def block(self, index: Int[Array, ""]) -> "BlockCache":
-        """A read-only view of one block's rows (for one sequence, no batch axis)."""
-        return BlockCache(self.keys, self.values, self.key_scales, self.value_scales, index)
+    def check(self, config: DecoderConfig) -> None:
+        """Raise unless this is an unbatched cache for a model with `config`."""
+        expected = _shape(config)
+        if self.keys.shape != expected or self.values.shape != expected:
+            raise ValueError(
+                f"cache has shape {self.keys.shape} but this model needs {expected} "
+                "(blocks, kv_heads, max_len, head_dim); build it with model.init_cache()."
+            )
+        if self.quantized:
+            ok = (
+                self.keys.dtype == self.values.dtype == jnp.int8
+                and self.value_scales is not None
+                and self.key_scales.shape == self.value_scales.shape == expected[:-1]
+            )
+        else:
+            ok = self.keys.dtype == config.jnp_dtype == self.values.dtype
+        if not ok:
+            raise ValueError(
+                f"cache has dtype {self.keys.dtype} but the model uses {config.dtype} "
+                "(or an int8 cache with scales); build it with model.init_cache()."
+            )
+
+    def write(self, keys: NewRows, values: NewRows, pos: Int[Array, ""]) -> "KVCache":
+        """A new cache with rows `pos .. pos + seq - 1` of every block replaced (quantised
+        first for an int8 cache). The caller has checked that the rows fit."""
+        zero = jnp.zeros((), jnp.int32)
+        pos = jnp.asarray(pos).astype(jnp.int32)
+
+        def put(buffer, rows):  # rows go to axis 2, `max_len`, of every array
+            start = (zero, zero, pos) + (zero,) * (buffer.ndim - 3)
+            return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
+
+        if not self.quantized:
+            return eqx.tree_at(
+                lambda c: (c.keys, c.values), self, (put(self.keys, keys), put(self.values, values))
+            )
+        qk, sk = quantize_rows(keys)
+        qv, sv = quantize_rows(values)
+        new = (put(self.keys, qk), put(self.values, qv), put(self.key_scales, sk), put(self.value_scales, sv))
+        return eqx.tree_at(lambda c: (c.keys, c.values, c.key_scales, c.value_scales), self, new)
+
+    def block(self, index: Int[Array, ""], bound: Int[Array, ""] | None = None) -> "BlockCache":
+        """A read-only view of block `index`'s rows (one sequence, no batch axis).
+
+        `bound`: chunks of rows at or past it are not read (default: the position of the
+        first query). Under `jax.vmap` over rows at different positions, pass an unbatched
+        bound (the batch's furthest position), or the skip becomes a select that reads
+        every chunk. Neither changes the result.
+        """
+        return BlockCache(
+            self.keys, self.values, self.key_scales, self.value_scales, index, bound, self.chunk
+        )
 
 
 class BlockCache(eqx.Module):
-    """One block's cached rows, read in place.
+    """One block's cached rows, read in place, in chunks of `chunk` rows up to `bound`.
 
     It holds the whole stacked cache and the block index, and slices only the rows asked
     for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
@@ -72,6 +166,8 @@ class BlockCache(eqx.Module):
     key_scales: Float[Array, "blocks kv_heads max_len"] | None
     value_scales: Float[Array, "blocks kv_heads max_len"] | None
     index: Int[Array, ""]
+    bound: Int[Array, ""] | None
+    chunk: int = eqx.field(static=True)
 
     @property
     def max_len(self) -> int:
@@ -107,29 +203,13 @@ def quantize_rows(
     return q, scale
 
 
-def cache_shape(config: DecoderConfig) -> tuple[int, int, int, int]:
+def _shape(config: DecoderConfig) -> tuple[int, int, int, int]:
     """`(blocks, kv_heads, max_len, head_dim)` for one sequence."""
     return (config.n_blocks, config.n_kv_heads, config.max_len, config.head_dim)
 
 
-def empty_cache(config: DecoderConfig, batch: int | None = None, dtype=None) -> KVCache:
-    """Zeros of `cache_shape(config)`; `dtype="int8"` adds float32 per-row scales."""
-    shape = cache_shape(config) if batch is None else (batch, *cache_shape(config))
-    # Separate buffers for each field, so that the cache can be donated.
-    if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
-        zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
-        return KVCache(keys=zeros(), values=zeros())
-    if jnp.dtype(dtype) == jnp.int8:
-        q = lambda: jnp.zeros(shape, jnp.int8)
-        s = lambda: jnp.ones(shape[:-1], jnp.float32)
-        return KVCache(keys=q(), values=q(), key_scales=s(), value_scales=s())
-    raise ValueError(
-        f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
-    )
-
-
 def cache_nbytes(
-    model_or_config, *, batch: int = 1, positions: int | None = None, dtype=None
+    of, *, batch: int = 1, positions: int | None = None, dtype=None
 ) -> int:
     """Bytes of a cache, from the closed form
 
@@ -139,10 +219,30 @@ def cache_nbytes(
     held only the positions seen so far (the chapter's exercise 3 asks this for 512). For
     `dtype="int8"` the itemsize is 1 and each row adds a float32 scale:
     `2 * batch * blocks * rows * kv_heads * (head_dim + 4)`.
+
+    **Arguments:**
+
+    - `of`: a [`eqrope.RotaryDecoder`][], a [`eqrope.DecoderConfig`][], or a
+      [`eqrope.KVCache`][]. For a cache, its own shape and dtype are used (a batched
+      cache counts its batch), and `batch` and `dtype` must be left at their defaults.
+    - `batch`, `positions`, `dtype`: as above.
     """
-    config = getattr(model_or_config, "config", model_or_config)
+    if isinstance(of, KVCache):
+        if batch != 1 or dtype is not None:
+            raise ValueError(
+                "cache_nbytes(cache) reads the batch and dtype from the cache; "
+                "leave batch and dtype at their defaults."
+            )
+        *lead, max_len, head_dim = of.keys.shape  # lead: (*batch, blocks, kv_heads)
+        per_row = head_dim * of.keys.dtype.itemsize + (4 if of.quantized else 0)
+        rows = max_len if positions is None else positions
+        return 2 * math.prod(lead) * rows * per_row
+    config = getattr(of, "config", of)
     if not isinstance(config, DecoderConfig):
-        raise TypeError("cache_nbytes takes a RotaryDecoder or a DecoderConfig.")
+        raise TypeError(
+            "cache_nbytes takes a RotaryDecoder, a DecoderConfig or a KVCache, "
+            f"got {type(of).__name__}."
+        )
     rows = config.max_len if positions is None else positions
     per_row = config.head_dim * jnp.dtype(config.dtype).itemsize
     if dtype is not None and jnp.dtype(dtype) == jnp.int8:

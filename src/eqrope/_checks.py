@@ -1,4 +1,9 @@
-"""Input checks: static ones raise at trace time, value-dependent ones use `eqx.error_if`."""
+"""Input checks, in one place.
+
+Two kinds (STYLE.md rule 6): shape, type and config errors raise `TypeError`/`ValueError`
+at trace time with a message that says the fix; value-dependent errors on traced arrays
+(a token id out of range) go through `eqx.error_if`, whose result must be used.
+"""
 
 import equinox as eqx
 import jax
@@ -9,6 +14,25 @@ import numpy as np
 def is_concrete(x) -> bool:
     """True when `x` has a value now (not a tracer inside `jit`/`grad`/`vmap`)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def check_int(value, name: str, *, minimum: int | None = None, none: bool = False) -> int | None:
+    """A Python or NumPy integer (not a bool) that is `>= minimum`, returned as `int`.
+
+    `none=True` lets `None` through unchanged. Every integer argument of eqrope's API
+    goes through here, so they all refuse the same things with the same words.
+    """
+    if value is None and none:
+        return None
+    kind = {None: "an int", 1: "a positive int"}.get(
+        minimum, f"an int >= {minimum}"
+    )
+    wanted = f"{name} must be {kind}{' or None' if none else ''}"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{wanted}, got {value!r} ({type(value).__name__}).")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{wanted}, got {value}.")
+    return int(value)
 
 
 def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
@@ -30,15 +54,19 @@ def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def check_vocab(ids, vocab_size: int, name: str = "ids"):
+def check_vocab(ids, vocab_size: int, name: str = "ids", *, valid=None):
     """Raise (inside or outside `jit`) if a token id is outside `[0, vocab_size)`.
 
     JAX's gather clamps out-of-range indices silently, so this check is what stops an
-    embedding lookup from returning another token's row.
+    embedding lookup from returning another token's row. `valid` (a boolean array of
+    `ids`' shape, concrete) limits the check to those entries, e.g. the real tokens of a
+    right-padded ragged batch.
     """
     if is_concrete(ids):
         values = np.asarray(ids)
         bad = (values < 0) | (values >= vocab_size)
+        if valid is not None:
+            bad &= np.asarray(valid)
         if bad.any():
             raise ValueError(
                 f"{name} holds token ids outside [0, {vocab_size}): "

@@ -5,9 +5,15 @@ import math
 from typing import Literal
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from ._checks import check_int
 
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The positional arguments of `RotaryDecoder`, in the seed's order; every other field of
+# `DecoderConfig` is a keyword option.
+SIZES = ("vocab_size", "d_model", "n_heads", "n_blocks", "max_len")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,8 @@ class DecoderConfig:
     - `head_bias`: a bias on the output head.
     - `tie_embeddings`: the head reuses the token embedding (transposed).
     - `remat`: recompute each block in the backward pass (`eqx.filter_checkpoint`).
-    - `dtype`: the dtype of weights and cache, by name.
+    - `dtype`: the dtype of weights and cache: a name or a dtype, `None` meaning float32
+      (also under `jax_enable_x64`). It is stored by name.
     """
 
     vocab_size: int
@@ -82,21 +89,18 @@ class DecoderConfig:
     head_bias: bool = True
     tie_embeddings: bool = False
     remat: bool = False
-    dtype: str = "float32"
+    dtype: DTypeLike | None = "float32"
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_heads", "n_blocks", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        for name in SIZES:
+            object.__setattr__(self, name, check_int(getattr(self, name), name, minimum=1))
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         for name in ("d_ff", "n_kv_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+            object.__setattr__(self, name, check_int(getattr(self, name), name, minimum=1))
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -138,6 +142,11 @@ class DecoderConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
+    def options(self) -> dict:
+        """Every field but the five sizes: the keyword options of
+        `RotaryDecoder(vocab_size, d_model, n_heads, n_blocks, max_len, **options, key=key)`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SIZES}
+
     def to_dict(self) -> dict:
         """A JSON-ready dict; `DecoderConfig.from_dict` inverts it."""
         out = dataclasses.asdict(self)
@@ -153,3 +162,13 @@ class DecoderConfig:
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         return cls(**data)
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        return "float32"
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"dtype must be one of {_DTYPES} or None, got {dtype!r}.") from None
+    return name

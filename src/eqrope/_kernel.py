@@ -2,8 +2,8 @@
 
 A decode step at position `pos` needs only the cache rows below `pos`. The cache has a
 static `max_len` rows, so a plain masked softmax reads all of them whatever the position.
-Here the rows are visited in chunks of `kv_chunk`, and chunks at or beyond `kv_bound` are
-skipped by a `lax.cond` inside a `lax.scan`: the shapes stay static (one compile per
+Here the rows are visited in chunks of `past.chunk` rows, and chunks at or beyond
+`past.bound` are skipped by a `lax.cond` inside a `lax.scan`: the shapes stay static (one compile per
 `max_len`), the work follows the position, and the loop stays reverse-differentiable.
 Partial results are merged with the streaming softmax of Milakov & Gimelshein (2018), as
 in FlashAttention (Dao et al. 2022).
@@ -72,37 +72,35 @@ def finish(state: State) -> Float[Array, "seq kv_heads group head_dim"]:
 def merge_cache(
     state: State,
     q: Float[Array, "seq kv_heads group head_dim"],
-    cache: BlockCache,
+    past: BlockCache,
     n_valid: Int[Array, ""],
-    *,
-    kv_bound: Int[Array, ""] | None = None,
-    kv_chunk: int = 256,
 ) -> State:
-    """Fold cache rows `0 .. n_valid - 1` into `state`, visiting only chunks below `kv_bound`.
+    """Fold cache rows `0 .. n_valid - 1` into `state`, in chunks of `past.chunk` rows,
+    visiting only chunks below `past.bound` (default `n_valid`).
 
-    `kv_bound` defaults to `n_valid`. Under `jax.vmap` a batched `n_valid` would turn the
-    skip into a select that runs every chunk, so a batched caller passes an unbatched
-    bound (the largest `n_valid` of the batch).
+    Under `jax.vmap` a batched `n_valid` would turn the skip into a select that runs every
+    chunk, so a batched caller gives the view an unbatched bound (the batch's largest
+    `n_valid`).
     """
-    max_len = cache.max_len
-    kv_bound = n_valid if kv_bound is None else kv_bound
-    if max_len <= kv_chunk:
+    max_len, chunk = past.max_len, past.chunk
+    bound = n_valid if past.bound is None else past.bound
+    if max_len <= chunk:
         mask = jnp.arange(max_len, dtype=jnp.int32)[None, :] < n_valid
-        return merge(state, q, *cache.rows(0, max_len), mask)
-    n_chunks = math.ceil(max_len / kv_chunk)
-    offsets = jnp.arange(kv_chunk, dtype=jnp.int32)
+        return merge(state, q, *past.rows(0, max_len), mask)
+    n_chunks = math.ceil(max_len / chunk)
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
 
     def body(state, j):
-        first = j * kv_chunk
+        first = j * chunk
         # The last chunk may overlap the one before it; its repeated rows are masked.
-        start = jnp.minimum(first, max_len - kv_chunk)
+        start = jnp.minimum(first, max_len - chunk)
 
         def visit(state):
             rows = start + offsets
             mask = ((rows >= first) & (rows < n_valid))[None, :]
-            return merge(state, q, *cache.rows(start, kv_chunk), mask)
+            return merge(state, q, *past.rows(start, chunk), mask)
 
-        return jax.lax.cond(first < kv_bound, visit, lambda s: s, state), None
+        return jax.lax.cond(first < bound, visit, lambda s: s, state), None
 
     state, _ = jax.lax.scan(body, state, jnp.arange(n_chunks, dtype=jnp.int32))
     return state

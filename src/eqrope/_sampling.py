@@ -1,21 +1,38 @@
 """Choosing the next token from logits, with every setting a traced value."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, UInt
 
 
+class Sampling(eqx.Module):
+    """The sampling settings of one `generate` call, as arrays.
+
+    They are arguments of the compiled program, not constants, so changing any of them
+    never recompiles. [`eqrope.generate`][] builds this record after checking its
+    arguments (`eqrope._generate_args`).
+
+    - `temperature`: 0 is greedy.
+    - `top_k`: keep the logits `>=` the k-th largest (`top_k >= vocab` keeps everything).
+    - `top_p`: nucleus mass (1 keeps everything).
+    - `eos`: the end-of-sequence id, or -1 for none.
+    """
+
+    temperature: Float[Array, ""]
+    top_k: Int[Array, ""]
+    top_p: Float[Array, ""]
+    eos: Int[Array, ""]
+
+
 def sample_token(
     logits: Float[Array, " vocab"],
     key: UInt[Array, "2"] | Key[Array, ""],
-    temperature: Float[Array, ""],
-    top_k: Int[Array, ""],
-    top_p: Float[Array, ""],
+    sampling: Sampling,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
     """Sample one token; `temperature == 0` is greedy.
 
-    All settings are arrays, so changing them never recompiles. Filtering works on the
-    sorted logits with traced thresholds:
+    Filtering works on the sorted logits with traced thresholds:
 
     - `top_k`: keep the logits `>=` the k-th largest (ties at the threshold are kept; a
       `top_k >= vocab` keeps everything);
@@ -28,6 +45,7 @@ def sample_token(
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[0]
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
 
     def greedy(_):
         token = jnp.argmax(logits).astype(jnp.int32)

@@ -1,0 +1,155 @@
+"""The cached generate program: a chunked prefill, then one token per row per iteration.
+
+It is one `eqx.filter_jit` program. The loop state is a `DecodeState`, a named
+record like Gemma's `SamplingState`; everything but the shapes, the prefill chunk and the
+mesh is a traced argument, so a new prompt, `max_new`, sampling setting or key does not
+recompile.
+"""
+
+import functools
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt
+
+from ._cache import KVCache
+from ._sampling import Sampling, sample_token
+from ._sharding import constrain
+
+
+class DecodeState(eqx.Module):
+    """The carry of the decode loop, for a batch of rows.
+
+    - `cache`: the batched [`eqrope.KVCache`][], rows `0 .. pos - 1` of each row filled.
+    - `logits`: float32 logits for the token at `pos` of each row.
+    - `pos`: where each row's next token goes.
+    - `n_new`: tokens generated so far per row.
+    - `done`: rows that have stopped (EOS, `max_new`, or the cache is full).
+    - `tokens`, `logprobs`: `(batch, max_len)` buffers of the text and of each new
+      token's log-probability (0 elsewhere).
+    """
+
+    cache: KVCache
+    logits: Float[Array, "batch vocab"]
+    pos: Int[Array, " batch"]
+    n_new: Int[Array, " batch"]
+    done: Bool[Array, " batch"]
+    tokens: Int[Array, "batch max_len"]
+    logprobs: Float[Array, "batch max_len"]
+
+
+@eqx.filter_jit
+def generate_cached(
+    model,
+    buffer: Int[Array, "batch max_len"],
+    lengths: Int[Array, " batch"],
+    max_new: Int[Array, ""],
+    sampling: Sampling,
+    keys: UInt[Array, "batch 2"],
+    *,
+    chunk: int,
+    mesh=None,
+    rules=None,
+) -> tuple[Int[Array, "batch max_len"], Float[Array, "batch max_len"], Int[Array, " batch"]]:
+    """Prefill, then decode, as one program.
+
+    With a `mesh`, the batched cache is pinned to the sharding `eqrope.shard` gives a
+    cache, and the results are replicated.
+
+    **Returns:** `(tokens, logprobs, ends)`: the text buffer, the log-probabilities and
+    each row's end (prompt plus generated tokens).
+    """
+    batch, max_len = buffer.shape
+    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
+    step = functools.partial(decode_step, model, max_new, sampling, keys, mesh, rules)
+
+    def body(state: DecodeState, _):
+        return jax.lax.cond(jnp.any(~state.done), step, lambda s: s, state), None
+
+    state = DecodeState(
+        cache=cache,
+        logits=logits,
+        pos=lengths,
+        n_new=jnp.zeros((batch,), jnp.int32),
+        done=(max_new <= 0) | (lengths >= max_len),
+        tokens=buffer,
+        logprobs=jnp.zeros((batch, max_len), jnp.float32),
+    )
+    state, _ = jax.lax.scan(body, state, None, length=max_len - 1)
+    # Replicated (plain arrays under `constrain`), so every process can read them.
+    return constrain((state.tokens, state.logprobs, state.pos), mesh, rules)
+
+
+def decode_step(model, max_new, sampling: Sampling, keys, mesh, rules, state: DecodeState) -> DecodeState:
+    """Sample each unfinished row's token at `pos`, then run the model one step on it."""
+    batch, max_len = state.tokens.shape
+    pos, done = state.pos, state.done
+    row_keys = jax.vmap(jax.random.fold_in)(keys, pos)
+    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, None))(state.logits, row_keys, sampling)
+    rows = jnp.arange(batch)
+    tokens = state.tokens.at[rows, pos].set(jnp.where(done, state.tokens[rows, pos], tok))
+    logprobs = state.logprobs.at[rows, pos].set(jnp.where(done, state.logprobs[rows, pos], lp))
+    n_new = state.n_new + jnp.where(done, 0, 1).astype(jnp.int32)
+    finished = done | (tok == sampling.eos) | (n_new >= max_new) | (pos + 1 >= max_len)
+
+    def advance(carry):
+        cache, _ = carry
+        step_pos = jnp.minimum(pos, max_len - 1)
+        # An unbatched bound lets every row skip the cache chunks past the batch's
+        # furthest position (a batched one would make the skip a select).
+        step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
+        logits, cache = jax.vmap(step)(tok, cache, step_pos)
+        return constrain(cache, mesh, rules), logits.astype(jnp.float32)
+
+    carry = (state.cache, state.logits)
+    cache, logits = jax.lax.cond(jnp.any(~finished), advance, lambda c: c, carry)
+    return DecodeState(
+        cache=cache,
+        logits=logits,
+        pos=jnp.where(done, pos, pos + 1),
+        n_new=n_new,
+        done=finished,
+        tokens=tokens,
+        logprobs=logprobs,
+    )
+
+
+def prefill_rows(
+    model, buffer, lengths, chunk: int, mesh=None, rules=None
+) -> tuple[KVCache, Float[Array, "batch vocab"]]:
+    """Prefill every row in chunks; only chunks that start before the longest prompt run.
+
+    The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
+    may recompute rows an earlier chunk wrote, with the same tokens and positions.
+
+    **Returns:** the batched cache and the float32 logits at each row's last prompt token.
+    """
+    batch, max_len = buffer.shape
+    single = model.init_cache()
+    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), single)
+    cache = constrain(cache, mesh, rules)
+    n_chunks = math.ceil(max_len / chunk)
+    longest = jnp.max(lengths)
+
+    def row(ids, length, cache, last, start):
+        piece = jax.lax.dynamic_slice(ids, (start,), (chunk,))
+        logits, cache = model.prefill(piece, cache, start, check=False)
+        index = length - 1 - start
+        here = (index >= 0) & (index < chunk)
+        last = jnp.where(here, logits[jnp.clip(index, 0, chunk - 1)].astype(last.dtype), last)
+        return cache, last
+
+    def body(carry, j):
+        start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
+
+        def run(carry):
+            cache, last = carry
+            return jax.vmap(row, in_axes=(0, 0, 0, 0, None))(buffer, lengths, cache, last, start)
+
+        return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
+
+    last = jnp.zeros((batch, model.vocab_size), jnp.float32)
+    (cache, last), _ = jax.lax.scan(body, (cache, last), jnp.arange(n_chunks, dtype=jnp.int32))
+    return cache, last
