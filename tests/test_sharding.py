@@ -22,6 +22,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import eqrope
 import eqrope.testing
+from eqrope._weights import WEIGHTS, axis_counts
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,33 @@ def spec(sharding) -> tuple:
 
 
 # -- planning on an abstract mesh ----------------------------------------------------------
+
+
+LAYOUTS = {
+    "llama": dict(n_kv_heads=4, head_bias=False),
+    "biased": dict(bias=True, n_kv_heads=2),
+    "textbook": dict(mlp="gelu", positions="learned", norm="layer", tie_embeddings=True, bias=True),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_weight_table_has_one_row_per_array(layout):
+    """The table the rules (and the Hugging Face converter) read: every array, its shape."""
+    model = abstract_model(**LAYOUTS[layout])
+    c = model.config
+    counts = axis_counts(c)
+    width = {"heads": c.head_dim, "kv_heads": c.head_dim}
+
+    def length(axis):
+        parts = axis if isinstance(axis, tuple) else (axis,)
+        return sum(counts[p] * width.get(p, 1) for p in parts)
+
+    arrays = {
+        ".".join(entry.name for entry in path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]
+    }
+    rows = {w.path: tuple(map(length, w.axes)) for w in WEIGHTS if w.exists(c)}
+    assert rows == arrays
 
 
 def test_default_rules_place_megatron_style():

@@ -9,12 +9,12 @@ from ._decoder import RotaryDecoder as RotaryDecoder
 from ._generate import Generation as Generation, generate as generate
 from ._hf_export import to_hf_llama as to_hf_llama
 from ._hf_import import from_hf_llama as from_hf_llama
+from ._mesh import make_mesh as make_mesh
 from ._mlp import GeluMLP as GeluMLP, SwiGLU as SwiGLU
 from ._params import count_params as count_params
 from ._rope import apply_rope as apply_rope, rope_inv_freq as rope_inv_freq
 from ._sharding import (
     ShardingRules as ShardingRules,
-    make_mesh as make_mesh,
     shard as shard,
     shard_batch as shard_batch,
     shardings as shardings,

@@ -28,6 +28,7 @@ import safetensors.numpy
 
 from ._config import DecoderConfig
 from ._decoder import RotaryDecoder
+from ._json import peek_json, read_json
 
 
 FORMAT = "eqrope-checkpoint"
@@ -73,7 +74,7 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
         )
     path.mkdir(parents=True, exist_ok=True)
     config_path = path / CONFIG_FILE
-    if config_path.exists() and _read_json(config_path, quiet=True).get("format") != FORMAT:
+    if config_path.exists() and peek_json(config_path).get("format") != FORMAT:
         raise FileExistsError(
             f"eqrope.save: {config_path} exists and is not an eqrope checkpoint's config; "
             "refusing to overwrite it. Save into an empty directory."
@@ -209,30 +210,15 @@ def _write_atomic(target: Path, data: bytes) -> None:
     os.replace(tmp, target)
 
 
-def _read_json(file: Path, *, quiet: bool = False) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        if quiet:
-            return {}
-        raise ValueError(
-            f"eqrope.load: {file} is not valid JSON ({e}); the file is damaged. "
-            "Restore it from the same eqrope.save as the arrays."
-        ) from None
-    if not isinstance(data, dict):
-        if quiet:
-            return {}
-        raise ValueError(f"eqrope.load: {file} must hold a JSON object, got {type(data).__name__}.")
-    return data
-
-
 def _read_config(file: Path) -> DecoderConfig:
     if not file.is_file():
         raise FileNotFoundError(
             f"eqrope.load: {file} is missing; a checkpoint needs {CONFIG_FILE} and "
             f"{ARRAYS_FILE} side by side, as eqrope.save writes them."
         )
-    data = _read_json(file)
+    data = read_json(
+        file, "eqrope.load", "The file is damaged; restore it from the same eqrope.save as the arrays."
+    )
     if data.get("format") != FORMAT:
         raise ValueError(
             f"eqrope.load: {file} has format {data.get('format')!r}, not {FORMAT!r}; it was not "

@@ -15,7 +15,8 @@ no biases) up to two details, both handled here:
 
 Hugging Face stores `nn.Linear` weights as `(out, in)`; eqrope stores `x @ W` weights as
 `(in, out)`, fuses q/k/v into `wqkv` and gate/up into `w_gate_up`, and stacks the blocks
-on a leading axis.
+on a leading axis. The table in `_weights.py` says, array by array, which Hugging Face
+tensors it comes from and how.
 """
 
 import numpy as np

@@ -4,6 +4,7 @@ See `_hf.py` for the two differences from Llama it handles (the rotary pairing, 
 bias) and the weight layout.
 """
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,9 @@ from ._checkpoint import FORMAT as _CHECKPOINT_FORMAT
 from ._checkpoint import named_arrays
 from ._config import DecoderConfig
 from ._decoder import RotaryDecoder
-from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, pairing_permutation
+from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ._json import peek_json
+from ._weights import to_hf
 
 
 def to_hf_llama(
@@ -69,14 +72,14 @@ def to_hf_llama(
             f"to_hf_llama: {path} holds a sharded checkpoint ({INDEX_FILE}) that transformers "
             "would load instead; write into an empty directory."
         )
-    old_config = path / CONFIG_FILE
-    if old_config.is_file() and f'"{_CHECKPOINT_FORMAT}"' in old_config.read_text(errors="replace"):
+    if peek_json(path / CONFIG_FILE).get("format") == _CHECKPOINT_FORMAT:
         raise FileExistsError(
             f"to_hf_llama: {path} holds an eqrope checkpoint; refusing to overwrite it. "
             "Write into another directory."
         )
     path.mkdir(parents=True, exist_ok=True)
-    tensors = _to_hf_tensors(arrays, c)
+    # The head bias, checked above, is dropped: Llama has none.
+    tensors = to_hf(arrays, dataclasses.replace(c, head_bias=False))
     safetensors.numpy.save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(hf_config(c), indent=2, sort_keys=True) + "\n")
     return path
@@ -121,30 +124,3 @@ def hf_config(c: DecoderConfig) -> dict:
         "pad_token_id": None,
         "dtype": c.dtype,
     }
-
-
-def _to_hf_tensors(arrays: dict[str, np.ndarray], c: DecoderConfig) -> dict[str, np.ndarray]:
-    hd = c.head_dim
-    nq, nkv = c.n_heads * hd, c.n_kv_heads * hd
-    inv_q = np.argsort(pairing_permutation(c.n_heads, hd))
-    inv_k = np.argsort(pairing_permutation(c.n_kv_heads, hd))
-    out = {
-        "model.embed_tokens.weight": arrays["embed"],
-        "model.norm.weight": arrays["final_norm.weight"],
-    }
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = arrays["head"].T
-    for i in range(c.n_blocks):
-        p = f"model.layers.{i}."
-        wqkv = arrays["blocks.attn.wqkv"][i].T  # (qkv, d_model), rows [q | k | v]
-        out[p + "self_attn.q_proj.weight"] = wqkv[:nq][inv_q]
-        out[p + "self_attn.k_proj.weight"] = wqkv[nq : nq + nkv][inv_k]
-        out[p + "self_attn.v_proj.weight"] = wqkv[nq + nkv :]
-        out[p + "self_attn.o_proj.weight"] = arrays["blocks.attn.wo"][i].T
-        gate_up = arrays["blocks.mlp.w_gate_up"][i].T
-        out[p + "mlp.gate_proj.weight"] = gate_up[: c.d_ff]
-        out[p + "mlp.up_proj.weight"] = gate_up[c.d_ff :]
-        out[p + "mlp.down_proj.weight"] = arrays["blocks.mlp.w_down"][i].T
-        out[p + "input_layernorm.weight"] = arrays["blocks.attn_norm.weight"][i]
-        out[p + "post_attention_layernorm.weight"] = arrays["blocks.mlp_norm.weight"][i]
-    return {name: np.ascontiguousarray(a) for name, a in out.items()}

@@ -4,7 +4,6 @@ See `_hf.py` for the two differences from Llama it handles (the rotary pairing, 
 bias) and the weight layout.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -14,7 +13,9 @@ import safetensors
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from ._config import DecoderConfig, RopeScaling
 from ._decoder import RotaryDecoder
-from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, pairing_permutation
+from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ._json import read_json
+from ._weights import from_hf, hf_shapes
 
 
 _ROPE_KEYS = {
@@ -59,7 +60,11 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
             "LlamaForCausalLM.save_pretrained wrote (config.json + *.safetensors)."
         )
     config_file = path / CONFIG_FILE
-    hf = _read_json(config_file)
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"from_hf_llama: {config_file} is missing; a Hugging Face model directory has one."
+        )
+    hf = read_json(config_file, "from_hf_llama")
     # The config is checked before any weights are read; the dtype comes from them.
     dtype_name = "float32" if dtype is None else np.dtype(dtype).name
     config = decoder_config(hf, str(config_file), dtype_name)
@@ -72,7 +77,8 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
         )
     if dtype is None:
         config = decoder_config(hf, str(config_file), np.dtype(tensors[embed_name].dtype).name)
-    arrays = _to_eqrope_arrays(tensors, config, path)
+    _check_tensors(tensors, config, path)
+    arrays = from_hf(tensors, config)
     expected = skeleton(config)
     problems = compare_to_skeleton(arrays, expected)
     if problems:  # a bug in this converter, not in the user's files
@@ -191,30 +197,9 @@ def _rope(hf: dict, source: str, max_len: int) -> tuple[float, RopeScaling | Non
     )
 
 
-def _hf_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    hd = c.head_dim
-    shapes = {
-        "model.embed_tokens.weight": (c.vocab_size, c.d_model),
-        "model.norm.weight": (c.d_model,),
-    }
-    if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
-    for i in range(c.n_blocks):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.d_model,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.d_model,)
-        shapes[p + "self_attn.q_proj.weight"] = (c.n_heads * hd, c.d_model)
-        shapes[p + "self_attn.k_proj.weight"] = (c.n_kv_heads * hd, c.d_model)
-        shapes[p + "self_attn.v_proj.weight"] = (c.n_kv_heads * hd, c.d_model)
-        shapes[p + "self_attn.o_proj.weight"] = (c.d_model, c.n_heads * hd)
-        shapes[p + "mlp.gate_proj.weight"] = (c.d_ff, c.d_model)
-        shapes[p + "mlp.up_proj.weight"] = (c.d_ff, c.d_model)
-        shapes[p + "mlp.down_proj.weight"] = (c.d_model, c.d_ff)
-    return shapes
-
-
-def _to_eqrope_arrays(tensors: dict, c: DecoderConfig, path: Path) -> dict[str, np.ndarray]:
-    shapes = _hf_shapes(c)
+def _check_tensors(tensors: dict, c: DecoderConfig, path: Path) -> None:
+    """Raise, listing every problem, unless `tensors` are the Llama tensors `c` implies."""
+    shapes = hf_shapes(c)
     names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
     if c.tie_embeddings and "lm_head.weight" in names:
         # Some tied checkpoints store the head anyway; it must be the embedding.
@@ -242,65 +227,17 @@ def _to_eqrope_arrays(tensors: dict, c: DecoderConfig, path: Path) -> dict[str, 
             + "\n  ".join(problems)
             + "\nIs this an unmodified LlamaForCausalLM checkpoint?"
         )
-    dt = np.dtype(c.dtype)
-
-    def get(name):
-        return tensors[name].astype(dt)
-
-    perm_q = pairing_permutation(c.n_heads, c.head_dim)
-    perm_k = pairing_permutation(c.n_kv_heads, c.head_dim)
-    per_block = {k: [] for k in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")}
-    for i in range(c.n_blocks):
-        p = f"model.layers.{i}."
-        q = get(p + "self_attn.q_proj.weight")[perm_q]
-        k = get(p + "self_attn.k_proj.weight")[perm_k]
-        v = get(p + "self_attn.v_proj.weight")
-        per_block["wqkv"].append(np.concatenate([q, k, v], axis=0).T)
-        per_block["wo"].append(get(p + "self_attn.o_proj.weight").T)
-        gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
-        per_block["w_gate_up"].append(np.concatenate([gate, up], axis=0).T)
-        per_block["w_down"].append(get(p + "mlp.down_proj.weight").T)
-        per_block["attn_norm"].append(get(p + "input_layernorm.weight"))
-        per_block["mlp_norm"].append(get(p + "post_attention_layernorm.weight"))
-    stacked = {k: np.ascontiguousarray(np.stack(v)) for k, v in per_block.items()}
-    arrays = {
-        "embed": get("model.embed_tokens.weight"),
-        "blocks.attn_norm.weight": stacked["attn_norm"],
-        "blocks.attn.wqkv": stacked["wqkv"],
-        "blocks.attn.wo": stacked["wo"],
-        "blocks.mlp_norm.weight": stacked["mlp_norm"],
-        "blocks.mlp.w_gate_up": stacked["w_gate_up"],
-        "blocks.mlp.w_down": stacked["w_down"],
-        "final_norm.weight": get("model.norm.weight"),
-    }
-    if not c.tie_embeddings:
-        arrays["head"] = np.ascontiguousarray(get("lm_head.weight").T)
-    return arrays
 
 
 def _is_float(dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
 
 
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"from_hf_llama: {file} is missing; a Hugging Face model directory has one."
-        )
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"from_hf_llama: {file} is not valid JSON ({e}).") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"from_hf_llama: {file} must hold a JSON object.")
-    return data
-
-
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint, from the sharded index if there is one."""
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index, "from_hf_llama").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"from_hf_llama: {index} has no 'weight_map' object.")
         by_file: dict[str, list[str]] = {}

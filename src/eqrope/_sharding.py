@@ -8,21 +8,22 @@ and inserts the collectives (all-reduce, all-gather, ...) that the placement imp
 
 A rule maps one *logical* axis of the decoder (`vocab`, `d_model`, `heads`, `kv_heads`,
 `d_ff`, `batch`, `max_len`) to a mesh axis or to `None` (replicated). Every array of the
-decoder names the logical axis of each of its dimensions (`_MODEL_AXES`), so one rule
-places every array that has that axis.
+decoder names the logical axis of each of its dimensions (the table in `_weights.py`), so
+one rule places every array that has that axis. The mesh itself is built and checked in
+`_mesh.py`.
 """
 
 import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from ._cache import KVCache
 from ._decoder import RotaryDecoder
+from ._mesh import MeshAxes, axis_names, check_mesh, mesh_size
+from ._weights import BY_PATH, axis_counts
 
-
-MeshAxes = str | tuple[str, ...] | None
 
 _RULE_AXES = ("batch", "vocab", "d_model", "heads", "kv_heads", "d_ff", "max_len")
 
@@ -63,8 +64,7 @@ class ShardingRules:
     def __post_init__(self):
         for name in _RULE_AXES:
             value = getattr(self, name)
-            names = () if value is None else value if isinstance(value, tuple) else (value,)
-            if value == () or not all(isinstance(n, str) for n in names):
+            if value == () or not all(isinstance(n, str) for n in axis_names(value)):
                 raise TypeError(
                     f"ShardingRules.{name} must be a mesh axis name, a tuple of names or "
                     f"None, got {value!r}."
@@ -75,32 +75,6 @@ class ShardingRules:
         return getattr(self, logical) if logical in _RULE_AXES else None
 
 
-# The logical axes of each array of a `RotaryDecoder`, by field name, one entry per
-# dimension (the stacked blocks add a leading `blocks`). A tuple entry is a fused
-# dimension: its parts in order. `heads` on a flattened `heads * head_dim` dimension
-# counts heads, so a shard always holds whole heads.
-_QKV = ("heads", "kv_heads", "kv_heads")
-_GATE_UP = ("d_ff", "d_ff")
-_MODEL_AXES = {
-    "embed": ("vocab", "d_model"),
-    "pos_embed": ("max_len", "d_model"),
-    "head": ("d_model", "vocab"),
-    "head_bias": ("vocab",),
-    "wqkv": ("d_model", _QKV),
-    "bqkv": (_QKV,),
-    "wo": ("heads", "d_model"),
-    "bo": ("d_model",),
-    "w_gate_up": ("d_model", _GATE_UP),
-    "b_gate_up": (_GATE_UP,),
-    "w_down": ("d_ff", "d_model"),
-    "b_down": ("d_model",),
-    "w_in": ("d_model", "d_ff"),
-    "b_in": ("d_ff",),
-    "w_out": ("d_ff", "d_model"),
-    "b_out": ("d_model",),
-    "weight": ("d_model",),
-    "bias": ("d_model",),
-}
 # The arrays of a `KVCache` (one sequence; a batched cache adds a leading `batch`).
 _ROWS = ("blocks", "kv_heads", "max_len", "head_dim")
 _CACHE_AXES = {
@@ -109,44 +83,6 @@ _CACHE_AXES = {
     "key_scales": _ROWS[:-1],
     "value_scales": _ROWS[:-1],
 }
-
-
-def make_mesh(data: int | None = None, model: int = 1, *, devices=None) -> Mesh:
-    """A `(data, model)` mesh with automatic (compiler-chosen) sharding of intermediates.
-
-    **Arguments:**
-
-    - `data`: devices along the data-parallel axis; `None` uses all devices left after
-      `model`.
-    - `model`: devices along the tensor-parallel axis.
-    - `devices`: the devices to use, default `jax.devices()` (every process's devices
-      after `jax.distributed.initialize`); the first `data * model` are used.
-
-    **Returns:** a `jax.sharding.Mesh` with axes `("data", "model")` of type
-    `AxisType.Auto`. eqrope needs `Auto` axes: under `Explicit` axes JAX asks the model
-    code itself to resolve shardings, which it does not do.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    for name, value in (("data", data), ("model", model)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    if data is None:
-        if len(devices) % model != 0:
-            raise ValueError(
-                f"model={model} does not divide the {len(devices)} devices; pass data= too."
-            )
-        data = len(devices) // model
-    if data * model > len(devices):
-        raise ValueError(
-            f"a (data={data}, model={model}) mesh needs {data * model} devices, but only "
-            f"{len(devices)} are available."
-        )
-    return jax.make_mesh(
-        (data, model),
-        ("data", "model"),
-        axis_types=(AxisType.Auto, AxisType.Auto),
-        devices=devices[: data * model],
-    )
 
 
 def shardings(tree, mesh: Mesh | AbstractMesh, rules: ShardingRules | None = None):
@@ -259,29 +195,19 @@ def _map_arrays(tree, fn):
 
 
 def _map_decoder(model: RotaryDecoder, fn, prefix: str):
-    config = model.config
-    counts = {
-        "vocab": config.vocab_size,
-        "d_model": config.d_model,
-        "heads": config.n_heads,
-        "kv_heads": config.n_kv_heads,
-        "d_ff": config.d_ff,
-        "max_len": config.max_len,
-    }
+    counts = axis_counts(model.config)
 
     def visit(path, x):
         if not _is_array(x):
             return None
         where = prefix + jax.tree_util.keystr(path)
-        name = getattr(path[-1], "name", None)
-        if name not in _MODEL_AXES:
+        name = ".".join(str(getattr(entry, "name", entry)) for entry in path)
+        if name not in BY_PATH:
             raise TypeError(
-                f"eqrope.shard has no logical axes for {where}; add its field name to "
-                "eqrope._sharding._MODEL_AXES."
+                f"eqrope.shard has no logical axes for {where}; add a row for {name!r} to "
+                "eqrope._weights.WEIGHTS."
             )
-        stacked = getattr(path[0], "name", None) == "blocks"
-        axes = (("blocks",) if stacked else ()) + _MODEL_AXES[name]
-        return fn(x, axes, counts, where)
+        return fn(x, BY_PATH[name].axes, counts, where)
 
     return jax.tree_util.tree_map_with_path(visit, model)
 
@@ -319,7 +245,7 @@ def _spec(x, axes, counts, where: str, mesh: Mesh | AbstractMesh, rules: Shardin
         if target is None:
             entries.append(None)
             continue
-        size = _mesh_size(mesh, target)
+        size = mesh_size(mesh, target)
         for part in dict.fromkeys(parts):
             if counts[part] % size != 0:
                 raise ValueError(
@@ -332,7 +258,7 @@ def _spec(x, axes, counts, where: str, mesh: Mesh | AbstractMesh, rules: Shardin
             # Only an optimiser moment shaped unlike its parameter gets here.
             return PartitionSpec()
         entries.append(target)
-    used = [a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    used = [a for e in entries for a in axis_names(e)]
     repeated = sorted({a for a in used if used.count(a) > 1})
     if repeated:
         raise ValueError(
@@ -342,29 +268,5 @@ def _spec(x, axes, counts, where: str, mesh: Mesh | AbstractMesh, rules: Shardin
     return PartitionSpec(*entries)
 
 
-def _mesh_size(mesh: Mesh | AbstractMesh, axes: str | tuple[str, ...]) -> int:
-    names = axes if isinstance(axes, tuple) else (axes,)
-    return int(np.prod([mesh.shape[n] for n in names]))
-
-
 def _check_mesh(mesh, rules: ShardingRules) -> None:
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"mesh must be a jax.sharding.Mesh (e.g. eqrope.make_mesh()), got {type(mesh).__name__}."
-        )
-    for logical in _RULE_AXES:
-        target = rules.axis(logical)
-        for name in () if target is None else (target if isinstance(target, tuple) else (target,)):
-            if name not in mesh.shape:
-                raise ValueError(
-                    f"ShardingRules.{logical} names mesh axis {name!r}, but the mesh has axes "
-                    f"{tuple(mesh.axis_names)}; build the mesh with it (eqrope.make_mesh gives "
-                    f"'data' and 'model') or set ShardingRules({logical}=None)."
-                )
-            kind = mesh.axis_types[mesh.axis_names.index(name)]
-            if kind != AxisType.Auto:
-                raise TypeError(
-                    f"mesh axis {name!r} has type {kind}; eqrope runs under XLA's automatic "
-                    "partitioner and needs AxisType.Auto axes: build the mesh with "
-                    "eqrope.make_mesh or jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)."
-                )
+    check_mesh(mesh, {logical: rules.axis(logical) for logical in _RULE_AXES})
