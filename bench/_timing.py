@@ -2,8 +2,13 @@
 
 Imported by the scripts in this folder (`from _timing import ...`: a script's own folder
 is on `sys.path` when it runs as `python bench/x.py`).
+
+Where results go: by default `bench/results/latest/`, which git ignores, so that a run
+leaves the checkout clean; with `--save`, `bench/results/`, the committed results (to
+update them on purpose).
 """
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -11,6 +16,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -34,6 +40,29 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+# The committed results; a run without --save writes to LATEST, ignored by git.
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+LATEST = RESULTS / "latest"
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, out_help: str) -> None:
+    """`--out` (described by `out_help`) and `--save`, one or the other."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=pathlib.Path,
+                       help=f"{out_help} (default bench/results/latest/, ignored by git)")
+    where.add_argument("--save", action="store_true",
+                       help="write into bench/results/, the committed results")
+
+
+def results_folder(save: bool) -> pathlib.Path:
+    """`bench/results/` with `--save`, else `bench/results/latest/` (ignored by git)."""
+    return RESULTS if save else LATEST
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout holds the results table)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def compile_seconds() -> dict:

@@ -2,20 +2,23 @@
 
 Builds the seed model's width (65, 64, 4, ·, 256) with 2 and with 24 blocks and times the
 first call of `model(ids)` under `eqx.filter_jit` (trace + lower + XLA compile + run),
-then the steady state. Writes bench/results/compile_depth_cpu.json.
+then the steady state. Writes `compile_depth_cpu.json` to `bench/results/latest/`
+(ignored by git), or to the committed `bench/results/` with `--save`, or to the file
+given by `--out`.
 
     python bench/compile_depth.py
+    python bench/compile_depth.py --save    # update the committed result
 """
 
 import argparse
-import pathlib
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 import eqrope
-from _timing import machine_info, time_call, without_result, write_json
+from _timing import (add_output_arguments, machine_info, results_folder, time_call,
+                     without_result, write_json)
 
 
 def measure(n_blocks: int, repeats: int) -> dict:
@@ -28,9 +31,10 @@ def measure(n_blocks: int, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/compile_depth_cpu.json")
+    add_output_arguments(parser, "the JSON file to write")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    path = args.out or results_folder(args.save) / "compile_depth_cpu.json"
     rows = [measure(n, args.repeats) for n in (2, 24)]
     ratio = rows[1]["first_s"] / rows[0]["first_s"]
     print(f"{'blocks':>6} {'params':>10} {'first call (s)':>15} {'of it compile (s)':>18} {'steady (ms)':>12}")
@@ -41,7 +45,7 @@ def main():
         )
     print(f"first call, 24 blocks / 2 blocks: {ratio:.2f}")
     write_json(
-        pathlib.Path(args.out),
+        path,
         {"machine": machine_info(), "rows": rows, "first_call_ratio_24_over_2": ratio},
     )
 

@@ -3,13 +3,14 @@
 For the growth model (vocab 256, width 256, 4 heads, 4 blocks, d_ff 1024, max_len 1024):
 the largest logit difference against the float32 model over 64 decode steps after a
 64-token prefill, and the median time of a decode step at position ~100 (cache donated).
-Writes bench/results/precision_cpu.json.
+Writes `precision_cpu.json` to `bench/results/latest/` (ignored by git), or to the
+committed `bench/results/` with `--save`, or to the file given by `--out`.
 
     python bench/precision.py
+    python bench/precision.py --save    # update the committed result
 """
 
 import argparse
-import pathlib
 import statistics
 import time
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import eqrope
-from _timing import machine_info, write_json
+from _timing import add_output_arguments, machine_info, results_folder, write_json
 
 
 def variant(name):
@@ -57,9 +58,10 @@ def measure(name, ids, reference, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/precision_cpu.json")
+    add_output_arguments(parser, "the JSON file to write")
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
+    path = args.out or results_folder(args.save) / "precision_cpu.json"
     ids = jax.random.randint(jax.random.PRNGKey(1), (128,), 0, 256, dtype=jnp.int32)
     reference = variant("float32")[0](ids)
     rows = [measure(n, ids, reference, args.repeats) for n in ("float32", "bfloat16", "int8 cache")]
@@ -69,7 +71,7 @@ def main():
             f"{r['variant']:>12} {r['cache_bytes'] / 2**20:>10.2f} "
             f"{r['max_abs_logit_error']:>16.2e} {1e3 * r['step_median_s']:>8.3f}"
         )
-    write_json(pathlib.Path(args.out), {"machine": machine_info(), "rows": rows})
+    write_json(path, {"machine": machine_info(), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
     python bench/vs_transformers.py --profile  # also: where a decode step's time goes
     python bench/vs_transformers.py --torch-threads 1 --out /tmp/t1   # torch on one thread
     python bench/vs_transformers.py --only seed --out /tmp/seed         # one case
+    python bench/vs_transformers.py --save     # update the committed bench/results/
 
 Needs the optional `[hf]` extra (torch and transformers). One process, one machine: torch
 runs with `torch.set_num_threads(os.cpu_count())` intra-op threads, and XLA's CPU client
@@ -28,9 +29,10 @@ Cases: the seed's protocol (model (65, 64, 4, 2, 256), prompt of 8, 100 new toke
 1 warm-up + 5 repeats) and the textbook chapter's timing shape (vocab 256, width 256,
 4 heads, 4 blocks, d_ff 1024, max_len 1024, prompt of 4, N = 64, 128, 256, 512).
 
-Writes `vs_transformers_cpu.json` to `--out` (default `bench/results/`) and prints a
-table. Targets are reported (target, measured, met), never asserted. Timings are noisy
-when other work shares the CPU.
+Writes `vs_transformers_cpu.json` to `--out` (default `bench/results/latest/`, ignored
+by git; `--save` writes to the committed `bench/results/`) and prints a table. Targets
+are reported (target, measured, met), never asserted. Timings are noisy when other work
+shares the CPU.
 """
 
 import argparse
@@ -40,13 +42,13 @@ import pathlib
 import sys
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import eqrope
-from _timing import machine_info, time_call, without_result, write_json
+from _timing import (add_output_arguments, log, machine_info, results_folder, time_call,
+                     without_result, write_json)
 
 
 try:
@@ -59,8 +61,9 @@ except ImportError:
         "  pip install -c constraints-hf.txt -e '.[hf]'"
     )
 
+from _hf_profile import profile_step  # imports torch: after the check above
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
 SEED_MODEL = dict(vocab_size=65, d_model=64, n_heads=4, n_blocks=2, max_len=256)
 CHAPTER_MODEL = dict(vocab_size=256, d_model=256, n_heads=4, n_blocks=4, max_len=1024, d_ff=1024)
 TINY_MODEL = dict(vocab_size=64, d_model=32, n_heads=2, n_blocks=2, max_len=64, d_ff=64)
@@ -79,10 +82,6 @@ MODES = {
 }
 CONTENDERS = ("eqrope", "hf_default", "hf_static", "hf_default_1thread")
 HF_CONTENDERS = CONTENDERS[1:]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def build_pair(sizes: dict, directory: pathlib.Path):
@@ -154,64 +153,6 @@ def measure(model, hf_model, prompt: np.ndarray, n: int, repeats: int) -> dict:
     return row
 
 
-def profile_step(model, hf_model, prompt_len: int, n: int) -> dict:
-    """Where one decode step's time goes, on each side.
-
-    - eqrope: `model.step` compiled (`eqx.filter_jit`) at position `prompt_len + n/2`, and,
-      for comparison, one compiled function doing only the step's weight products: a
-      `(1, in) @ (in, out)` product with every weight matrix (each block's `wqkv`, `wo`,
-      `w_gate_up`, `w_down`, and the head).
-    - The same weight products in torch, on the same threads.
-    - transformers: one forward of one token against a cache of `prompt_len + n/2` rows,
-      and the torch ops that take its time (torch.profiler).
-    """
-    cache = model.init_cache()
-    step = eqx.filter_jit(lambda m, t, c, p: m.step(t, c, p, check=False))
-    token = jnp.asarray(1, jnp.int32)
-    pos = jnp.asarray(prompt_len + n // 2, jnp.int32)
-    ours = time_call(lambda: step(model, token, cache, pos), repeats=50, warmup=2)
-
-    blocks = model.blocks
-    stacked = [blocks.attn.wqkv, blocks.attn.wo, blocks.mlp.w_gate_up, blocks.mlp.w_down]
-    head = model.embed.T if model.head is None else model.head
-    matrices = [w[b] for w in stacked for b in range(w.shape[0])] + [head]
-    nbytes = sum(int(w.size) * w.dtype.itemsize for w in matrices)
-
-    @jax.jit
-    def products(matrices):
-        return [jnp.ones((1, w.shape[0]), w.dtype) @ w for w in matrices]
-
-    xla = time_call(lambda: products(matrices), repeats=50, warmup=2)
-    torch_matrices = [torch.from_numpy(np.array(w)) for w in matrices]
-    ones = {w.shape[0]: torch.ones(1, w.shape[0]) for w in torch_matrices}
-    with torch.inference_mode():
-        torch_products = time_call(
-            lambda: [ones[w.shape[0]] @ w for w in torch_matrices], repeats=50, warmup=2
-        )
-        ids = torch.randint(0, model.config.vocab_size, (1, prompt_len + n // 2))
-        past = hf_model(ids, use_cache=True).past_key_values
-        one = torch.tensor([[1]])
-
-        def hf_step():
-            return hf_model(one, past_key_values=past, use_cache=True).logits
-
-        # The DynamicCache grows by one row per call; 50 rows on a cache of hundreds is noise.
-        theirs = time_call(hf_step, repeats=50, warmup=2)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(20):
-                hf_step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    return {
-        "position": int(pos),
-        "eqrope_step_median_s": ours["median_s"],
-        "weight_bytes": nbytes,
-        "xla_weight_products_median_s": xla["median_s"],
-        "torch_weight_products_median_s": torch_products["median_s"],
-        "hf_forward_one_token_median_s": theirs["median_s"],
-        "hf_top_ops": table,
-    }
-
-
 def run_case(name: str, sizes: dict, prompt_len: int, ns, repeats: int, workdir: pathlib.Path,
              profile: bool) -> dict:
     log(f"[{name}] building and exporting {sizes}")
@@ -274,8 +215,7 @@ def main(argv=None) -> dict:
                       help="5 repeats everywhere")
     size.add_argument("--tiny", action="store_const", dest="mode", const="tiny",
                       help="tiny sizes, 1 repeat: a smoke run")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS,
-                        help="folder for vs_transformers_cpu.json (default bench/results)")
+    add_output_arguments(parser, "folder for vs_transformers_cpu.json")
     parser.add_argument("--only", choices=("seed", "chapter"),
                         help="run one case (the targets then report the cases that ran)")
     parser.add_argument("--profile", action="store_true", help="also profile one decode step")
@@ -286,6 +226,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     mode = args.mode or "quick"
     cfg = MODES[mode]
+    out = args.out if args.out is not None else results_folder(args.save)
 
     torch.set_num_threads(args.torch_threads)
     machine = machine_info()
@@ -297,7 +238,7 @@ def main(argv=None) -> dict:
                    threads_note=f"torch.set_num_threads({args.torch_threads}) (os.cpu_count() = "
                                 f"{os.cpu_count()}); XLA's CPU client uses all cores")
     start = time.perf_counter()
-    workdir = args.out / "_vs_transformers_weights"
+    workdir = out / "_vs_transformers_weights"
     cases, targets = [], []
     if args.only in (None, "seed"):
         cases.append(run_case("seed", cfg["seed"], cfg["seed_prompt"], (cfg["seed_new"],),
@@ -328,7 +269,7 @@ def main(argv=None) -> dict:
     for folder in sorted(workdir.glob("*")):
         folder.rmdir()
     workdir.rmdir()
-    path = write_json(args.out / "vs_transformers_cpu.json", result)
+    path = write_json(out / "vs_transformers_cpu.json", result)
     print_table(result)
     print(f"\nwrote {path} ({result['total_s']:.0f} s)")
     return result

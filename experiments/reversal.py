@@ -30,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +37,7 @@ import optax
 from tqdm import tqdm
 
 import eqrope
+import eqrope.testing
 import reversal_data as data
 
 
@@ -157,24 +157,6 @@ def evaluate(model, strings: list[np.ndarray]) -> dict:
     }
 
 
-class Uncached(eqx.Module):
-    """The model without its cache methods, so `eqrope.generate` takes the uncached path
-    (the whole text again for every token). The seed page's `Plain`, as a pytree."""
-
-    model: eqrope.RotaryDecoder
-
-    @property
-    def max_len(self) -> int:
-        return self.model.max_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    def __call__(self, ids):
-        return self.model(ids)
-
-
 def cache_equality(model, n: int, seed: int) -> list[int]:
     """On `n` random reversal prompts (lengths 3 to 12), greedy generation of 12 tokens
     with the cache and without it. **Returns:** `[identical rows, n]`."""
@@ -184,7 +166,9 @@ def cache_equality(model, n: int, seed: int) -> list[int]:
     prompt, lengths = data.prompts(strings)
     prompt, lengths = jnp.asarray(prompt), jnp.asarray(lengths)
     cached = eqrope.generate(model, prompt, data.MAX_STRING, prompt_lengths=lengths)
-    plain = eqrope.generate(Uncached(model), prompt, data.MAX_STRING, prompt_lengths=lengths)
+    plain = eqrope.generate(
+        eqrope.testing.Uncached(model), prompt, data.MAX_STRING, prompt_lengths=lengths
+    )
     same = np.all(np.asarray(cached) == np.asarray(plain), axis=1)
     return [int(same.sum()), n]
 

@@ -202,9 +202,19 @@ def test_time_call_counts_calls():
     assert "result" not in timing.without_result(t)
 
 
+def test_default_output_is_ignored_by_git():
+    timing = load("_timing")
+    assert timing.results_folder(save=True) == BENCH / "results"
+    latest = timing.results_folder(save=False) / "kv_cache_cpu.json"
+    proc = subprocess.run(["git", "check-ignore", "-q", str(latest)], cwd=ROOT)
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert proc.returncode == 0, f"{latest} is not ignored by git"
+
+
 def test_full_cache_ops_reads_hlo(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # as when it runs as a script: _timing beside it
-    bench = load("kv_cache")
+    roofline = load("_roofline")
     hlo = "\n".join([
         "%fused_computation.1 (p: f32[4,512,2,8]) -> f32[512,2,8] {",
         "  %dynamic_slice.1 = f32[1,512,2,8]{3,2,1,0} dynamic-slice(%p, %i), metadata={}",
@@ -216,7 +226,7 @@ def test_full_cache_ops_reads_hlo(monkeypatch):
         "  %small = f32[2,8]{1,0} fusion(%cache)",
         "}",
     ])
-    ops = bench.full_cache_ops(hlo, 512)
+    ops = roofline.full_cache_ops(hlo, 512)
     assert [o["instruction"] for o in ops] == ["copy_fusion", "dynamic-update-slice_fusion"]
     assert [o["in_place_update"] for o in ops] == [False, True]
     assert ops[0]["nbytes"] == 512 * 2 * 8 * 4 and ops[0]["source"] == "jit(step)/slice"

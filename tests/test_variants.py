@@ -15,6 +15,7 @@ import pytest
 from jaxtyping import Array, Int
 
 import eqrope
+import eqrope.testing
 
 
 CHAPTER = dict(norm="layer", mlp="gelu", bias=True)
@@ -106,18 +107,6 @@ def with_random_biases(model, *, key):
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
-class Uncached:
-    """The model without its cache methods: `generate` takes the uncached path."""
-
-    def __init__(self, model):
-        self.model = model
-        self.max_len = model.max_len
-        self.vocab_size = model.vocab_size
-
-    def __call__(self, ids):
-        return self.model(ids)
-
-
 @eqx.filter_jit
 def prefill_then_steps(model, ids: Int[Array, " seq"], n_prompt: int):
     """Logits of every row of `ids`: the first `n_prompt` in one prefill, the rest one
@@ -173,6 +162,6 @@ def test_cached_generation_equals_uncached(variant):
     prompt = jax.random.randint(prompt_key, (3, 6), 0, 12, dtype=jnp.int32)
     lengths = jnp.asarray([6, 2, 4], jnp.int32)  # ragged rows, padded on the right
     cached = eqrope.generate(model, prompt, 10, prompt_lengths=lengths)
-    plain = eqrope.generate(Uncached(model), prompt, 10, prompt_lengths=lengths)
+    plain = eqrope.generate(eqrope.testing.Uncached(model), prompt, 10, prompt_lengths=lengths)
     assert cached.shape == (3, 16)
     np.testing.assert_array_equal(np.asarray(cached), np.asarray(plain))

@@ -2,6 +2,8 @@
 
 - [`eqrope.testing.Uncached`][]: a model without its cache methods, so that
   [`eqrope.generate`][] takes the uncached reference path.
+- [`eqrope.testing.hlo_instructions`][]: the instructions of a compiled program's text,
+  one record each (computation, name, dtype, shape, opcode).
 - [`eqrope.testing.hlo_collectives`][]: which collectives a compiled program runs, and
   over which mesh axes.
 
@@ -13,6 +15,8 @@ a reader can check, say, that a data-parallel train step all-reduces its gradien
 
 import re
 from collections import Counter
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import equinox as eqx
 import numpy as np
@@ -41,6 +45,63 @@ class Uncached(eqx.Module):
         return self.model(ids)
 
 
+class HloInstruction(NamedTuple):
+    """One instruction of an HLO text, `%name = dtype[shape]{layout} opcode(operands), ...`."""
+
+    computation: str | None  # the enclosing computation; None outside any header
+    name: str
+    dtype: str | None  # None for a tuple-shaped result
+    shape: tuple[int, ...] | None  # None for a tuple-shaped result
+    opcode: str
+    line: str
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]\S*")
+_OPCODE = re.compile(r"([a-z][\w-]*)\(")
+
+
+def hlo_instructions(hlo_text: str) -> Iterator[HloInstruction]:
+    """The instructions of an HLO text, in order, with the computation each belongs to.
+
+    **Arguments:**
+
+    - `hlo_text`: a program's text, e.g. `jax.jit(f).lower(*args).compile().as_text()`.
+
+    **Returns:** an iterator of `HloInstruction(computation, name, dtype, shape, opcode,
+    line)`, e.g. `("main.3", "copy.1", "f32", (512, 2, 8), "copy", line)` for
+    `%copy.1 = f32[512,2,8]{2,1,0} copy(%p)` inside `ENTRY %main.3 (...) -> ... {`.
+    Names drop their `%`; lines that are not instructions are skipped.
+    """
+    computation = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header.group(1)
+            continue
+        left, sep, rest = line.partition(" = ")
+        if not sep:
+            continue
+        name = left.strip().removeprefix("ROOT ").removeprefix("%")
+        dtype = shape = None
+        if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+            depth = 0
+            for i, char in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(char, 0)
+                if depth == 0:
+                    rest = rest[i + 1 :]
+                    break
+        else:
+            array = _ARRAY.match(rest)
+            if array is not None:
+                dtype = array.group(1)
+                shape = tuple(int(d) for d in array.group(2).split(",") if d)
+            rest = rest.partition(" ")[2]
+        found = _OPCODE.match(rest.lstrip())
+        if found is not None:
+            yield HloInstruction(computation, name, dtype, shape, found.group(1), line)
+
+
 _COLLECTIVES = (
     "all-reduce",
     "all-gather",
@@ -49,25 +110,6 @@ _COLLECTIVES = (
     "collective-permute",
     "collective-broadcast",
 )
-_OPCODE = re.compile(r"([a-z][\w-]*)\(")
-
-
-def _opcode(line: str) -> str | None:
-    """The opcode of one HLO instruction `%name = shape opcode(operands), ...`."""
-    _, sep, rest = line.partition(" = ")
-    if not sep:
-        return None
-    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
-        depth = 0
-        for i, char in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(char, 0)
-            if depth == 0:
-                rest = rest[i + 1 :]
-                break
-    else:
-        rest = rest.partition(" ")[2]
-    found = _OPCODE.match(rest.lstrip())
-    return None if found is None else found.group(1)
 
 
 def hlo_collectives(hlo_text: str, mesh) -> Counter:
@@ -88,12 +130,11 @@ def hlo_collectives(hlo_text: str, mesh) -> Counter:
     names = tuple(mesh.axis_names)
     shape = tuple(mesh.shape[n] for n in names)
     counts = Counter()
-    for line in hlo_text.splitlines():
-        op = _opcode(line)
-        op = op.removesuffix("-start") if op is not None else None
+    for instruction in hlo_instructions(hlo_text):
+        op = instruction.opcode.removesuffix("-start")
         if op not in _COLLECTIVES:
             continue
-        groups = _device_groups(line, int(np.prod(shape)))
+        groups = _device_groups(instruction.line, int(np.prod(shape)))
         if groups is None:
             axes = ("?",)
         else:

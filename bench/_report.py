@@ -1,0 +1,142 @@
+"""bench/kv_cache.py's report: the targets, the printed table and the two figures.
+
+Targets are reported (target, measured, met), never asserted.
+"""
+
+import pathlib
+
+
+def target(name, goal, measured, met) -> dict:
+    return {"name": name, "target": goal, "measured": measured,
+            "met": None if measured is None else bool(met)}
+
+
+def targets(result: dict) -> list[dict]:
+    growth, prefill = result["growth"], result["prefill"]["by_length"]
+    steps = result["step_vs_max_len"]["by_max_len"]
+    ratio = growth["ratio_hi_lo"]["cached"] if growth["ratio_hi_lo"]["hi"] == 512 else None
+    pre = prefill.get("256", {}).get("speedup_best")
+    step = (steps["8192"]["median_s"] / steps["256"]["median_s"]
+            if "8192" in steps and "256" in steps else None)
+    first = result["cache"]["first_s"] if result["mode"] != "tiny" else None
+    fraction = result["roofline"]["fraction"]
+    return [
+        target("seed: cache speedup (median)", ">= 25", result["speedup_median"],
+               result["speedup_median"] >= 25),
+        target("growth: cached t(512)/t(256)", "<= 2.1", ratio, ratio is not None and ratio <= 2.1),
+        target("prefill 256: speedup over token by token", ">= 10", pre,
+               pre is not None and pre >= 10),
+        target("seed: cached first call (compile + run), s", "<= 1.5", first,
+               first is not None and first <= 1.5),
+        target("step at max_len 8192 / max_len 256 (issue 8)", "<= 1.3", step,
+               step is not None and step <= 1.3),
+        target("roofline fraction, float32, batch 1 (issue 8)", ">= 0.6", fraction, fraction >= 0.6),
+    ]
+
+
+def fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(result: dict) -> str:
+    lines = [f"eqrope kv_cache benchmark ({result['mode']}), {result['machine']['cpu_model']}, "
+             f"{result['machine']['cpu_count']} CPUs, jax {result['machine']['jax']}"]
+    c, u = result["cache"], result["no_cache"]
+    lines += [
+        "",
+        f"seed protocol: {result['seed']['max_new']} new tokens, "
+        f"identical tokens: {result['seed']['identical_tokens']}",
+        f"  {'path':<10}{'first (s)':>11}{'median (s)':>12}{'min-max (s)':>18}",
+        f"  {'cache':<10}{c['first_s']:>11.3f}{c['median_s']:>12.4f}"
+        f"{c['min_s']:>9.4f}-{c['max_s']:.4f}",
+        f"  {'no cache':<10}{u['first_s']:>11.3f}{u['median_s']:>12.4f}"
+        f"{u['min_s']:>9.4f}-{u['max_s']:.4f}",
+        f"  speedup of medians: {result['speedup_median']:.1f}x; XLA compile in the first "
+        f"calls: cache {c['first_compile']['compile_s']:.2f} s, "
+        f"no cache {u['first_compile']['compile_s']:.2f} s",
+    ]
+    g = result["growth"]
+    lines += ["", f"growth protocol ({g['params']:,} params, prompt {g['prompt_len']}): seconds",
+              f"  {'N':>5}{'cache':>9}{'no cache':>10}{'speedup':>9}"]
+    for n in g["n"]:
+        cached = g["cached"][str(n)]["median_s"]
+        uncached = g["uncached"].get(str(n), {}).get("median_s")
+        lines.append(f"  {n:>5}{cached:>9.3f}{fmt(uncached):>10}"
+                     f"{fmt(None if uncached is None else uncached / cached, '.1f'):>9}")
+    r = g["ratio_hi_lo"]
+    lines.append(f"  t({r['hi']})/t({r['lo']}): cache {fmt(r['cached'], '.2f')}, "
+                 f"no cache {fmt(r['uncached'], '.2f')}  (chapter: 2.2, 3.9)")
+    lines += ["", "time to first token (ms): prefill | token-by-token scan | loop"]
+    for length, p in result["prefill"]["by_length"].items():
+        lines.append(f"  {length:>5}: {p['prefill']['median_s'] * 1e3:8.2f} | "
+                     f"{p['token_by_token_scan']['median_s'] * 1e3:8.2f} | "
+                     f"{p['token_by_token_loop']['median_s'] * 1e3:8.2f}"
+                     f"   ({p['speedup_scan']:.1f}x, {p['speedup_loop']:.1f}x)")
+    lines += ["", "batch: tokens/s (cache bytes)"]
+    for batch, b in result["batch"]["by_batch"].items():
+        lines.append(f"  {batch:>5}: {b['tokens_per_s']:10.0f}   ({b['cache_nbytes'] / 2**20:.1f} MiB)")
+    lines += ["", "decode step at pos ~100 against max_len: ms (cache MiB)"]
+    for max_len, s in result["step_vs_max_len"]["by_max_len"].items():
+        lines.append(f"  {max_len:>5}: {s['median_s'] * 1e3:8.3f}   ({s['cache_nbytes'] / 2**20:.1f} MiB)")
+    ro = result["roofline"]
+    lines += [
+        "",
+        f"roofline: {ro['bytes_per_step'] / 2**20:.2f} MiB per step in "
+        f"{ro['step_median_s'] * 1e3:.3f} ms = {ro['achieved_bytes_per_s'] / 1e9:.2f} GB/s; "
+        f"copy {ro['machine_bytes_per_s'] / 1e9:.2f} GB/s; fraction {ro['fraction']:.2f} "
+        f"({ro['fraction_fastest_step']:.2f} for the fastest step; "
+        f"{ro['fraction_vs_step_working_set_copy']:.2f} against a "
+        f"{2 * ro['memory_copy_step_working_set']['array_nbytes'] / 2**20:.0f} MiB copy at "
+        f"{ro['memory_copy_step_working_set']['bytes_per_s'] / 1e9:.1f} GB/s)",
+        "cache bytes (formula = arrays: "
+        f"{all(r['formula_nbytes'] == r['arrays_nbytes'] for r in result['cache_memory']['configurations'])}): "
+        + ", ".join(f"{r['name']} {r['arrays_nbytes']:,}"
+                    for r in result["cache_memory"]["configurations"][:3]),
+        f"exercise 3: cache of the growth model after 512 tokens = "
+        f"{result['cache_memory']['exercise_3_nbytes']:,} bytes",
+        "",
+        "targets:",
+    ]
+    for t in result["targets"]:
+        met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        lines.append(f"  {t['name']:<50} {t['target']:>7}  {fmt(t['measured'], '.3g'):>8}  {met}")
+    lines.append(f"\nwall time {result['wall_s']:.1f} s, of which XLA compile "
+                 f"{result['compile_total']['compile_s']:.1f} s; by section: "
+                 + ", ".join(f"{k} {v:.0f} s" for k, v in result["section_wall_s"].items()))
+    return "\n".join(lines)
+
+
+def plot(result: dict, out: pathlib.Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = result["growth"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for key, label, marker in (("uncached", "without cache", "o"), ("cached", "with cache", "s")):
+        ns = [int(n) for n in g[key]]
+        ax.plot(ns, [g[key][str(n)]["median_s"] for n in ns], marker=marker, label=label)
+    ax.set_xlabel("tokens generated (N)")
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Generating N tokens, batch 1, {result['machine']['cpu_count']} CPUs")
+    ax.legend()
+    fig.tight_layout()
+    paths = [out / "kv_cache_growth.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    s = result["step_vs_max_len"]["by_max_len"]
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    lens = [int(m) for m in s]
+    ax.plot(lens, [s[str(m)]["median_s"] * 1e3 for m in lens], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_len")
+    ax.set_ylabel("ms per decode step at pos 100")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Decode step against max_len")
+    fig.tight_layout()
+    paths.append(out / "kv_cache_step_vs_max_len.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return [str(p) for p in paths]
