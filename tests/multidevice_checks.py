@@ -211,14 +211,14 @@ def check_generation(out: dict) -> None:
         for s in settings
     ]
     REFERENCE["tokens"] = np.asarray(refs[0].tokens)
-    traces_before = TRACES["generate_cached"]
+    traces_before = TRACES["generate_program"]
     gens = [
         eqrope.generate(
             placed, prompt, 20, prompt_lengths=lengths, return_logprobs=True, mesh=mesh, **s
         )
         for s in settings
     ]
-    traces = TRACES["generate_cached"] - traces_before
+    traces = TRACES["generate_program"] - traces_before
     out["generation"] = {
         "traces": traces,
         "tokens_equal": [bool(jnp.array_equal(r.tokens, g.tokens)) for r, g in zip(refs, gens)],
@@ -230,8 +230,9 @@ def check_generation(out: dict) -> None:
     # / model) and never at its global shape.
     abstract = jax.eval_shape(lambda: model.init_cache(6))
     cache_sharding = eqrope.shardings(abstract, mesh).keys
+    leaves, structure = jax.tree.flatten(placed)
     args = (
-        placed,
+        leaves,
         *eqrope.shard_batch((jnp.zeros((6, SIZES["max_len"]), jnp.int32), lengths), mesh),
         jnp.asarray(20, jnp.int32),
         _sampling.Sampling(
@@ -240,10 +241,12 @@ def check_generation(out: dict) -> None:
             top_p=jnp.asarray(1.0, jnp.float32),
             eos=jnp.asarray(-1, jnp.int32),
         ),
-        eqrope.shard_batch(jnp.zeros((6, 2), jnp.uint32), mesh),
+        jax.random.key(0),
     )
-    compiled = _decode.generate_cached.lower(*args, chunk=32, mesh=mesh).compile()
-    text = compiled.compiled.as_text()
+    lowered = _decode.generate_program.lower(
+        *args, structure=structure, batched=True, chunk=32, mesh=mesh
+    )
+    text = lowered.compile().as_text()
     shape = abstract.keys.shape
     local = cache_sharding.shard_shape(shape)
     out["generation"]["cache_spec"] = spec_str(cache_sharding.spec)

@@ -323,7 +323,7 @@ def test_generate_compiles_once_per_max_len(capsys):
     key = jax.random.PRNGKey(0)
     with counting() as c:
         eqrope.generate(model, random_ids(0, 5), 4)
-    first = c.traces["generate_cached"]
+    first = c.traces["generate_program"]
     assert first == 1
     variations = [
         dict(prompt=random_ids(1, 3)),  # prompt length
@@ -348,14 +348,14 @@ def test_generate_compiles_once_per_max_len(capsys):
             kwargs.update(change)
             prompt, max_new = kwargs.pop("prompt"), kwargs.pop("max_new")
             eqrope.generate(model, prompt, max_new, **kwargs)
-    after_variations = first + c.traces["generate_cached"]
+    after_variations = first + c.traces["generate_program"]
     assert after_variations == 1, f"retraced for one of {variations}"
     with counting() as c:
         eqrope.generate(make_model(4, max_len=22), random_ids(0, 5), 4)  # a new max_len
-        after_new_max_len = after_variations + c.traces["generate_cached"]
+        after_new_max_len = after_variations + c.traces["generate_program"]
         eqrope.generate(model, random_ids(3, 7), 2)  # back to max_len 20: compiled already
     assert after_new_max_len == 2
-    assert c.traces["generate_cached"] == 1
+    assert c.traces["generate_program"] == 1
     with capsys.disabled():
         print(
             f"\ntrace counts: first call {first}, after {len(variations)} variations "
@@ -389,7 +389,7 @@ def test_weights_are_arguments_not_constants(model):
         np.testing.assert_array_equal(
             np.asarray(out), np.asarray(eqrope.generate(Uncached(trained), prompt, 8))
         )
-    assert c.traces["generate_cached"] == 0  # neither new model retraced
+    assert c.traces["generate_program"] == 0  # neither new model retraced
 
 
 # -- log-probabilities and their gradient ----------------------------------------------------
@@ -621,7 +621,7 @@ def dims(jaxpr):
 
 
 def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
-    """In the jaxpr of the generate program, the decode scan's body does the matmuls of
+    """In the jaxpr of the generate program, the decode loop's body does the matmuls of
     exactly one `model.step` per row, and none of the prefill chunk's shape."""
     chunk = 6  # no model dimension is 6
     batch = 1
@@ -637,14 +637,17 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
             top_p=jnp.asarray(1.0, jnp.float32),
             eos=i32(-1),
         ),
-        jnp.zeros((batch, 2), jnp.uint32),
+        jax.random.key(0),
     )
-    closed = eqx.filter_make_jaxpr(lambda *a: _decode.generate_cached(*a, chunk=chunk))(*args)[0]
+    program = lambda *a: _decode.generate_cached(*a, batched=True, chunk=chunk)
+    closed = eqx.filter_make_jaxpr(program)(*args)[0]
+    loops = [e for e in all_eqns(closed.jaxpr) if e.primitive.name == "while"]
     scans = [e for e in all_eqns(closed.jaxpr) if e.primitive.name == "scan"]
-    decode = [e for e in scans if e.params["length"] == MAX_LEN - 1]
+    # The decode loop is the while loop whose body runs the model (holds matmuls).
+    decode = [e for e in loops if matmul_flops(e.params["body_jaxpr"].jaxpr) > 0]
     prefill_loop = [e for e in scans if e.params["length"] == math.ceil(MAX_LEN / chunk)]
     assert len(decode) == 1 and len(prefill_loop) == 1
-    decode_body = decode[0].params["jaxpr"].jaxpr
+    decode_body = decode[0].params["body_jaxpr"].jaxpr
     prefill_body = prefill_loop[0].params["jaxpr"].jaxpr
 
     assert chunk in dims(prefill_body)  # the prefill works on chunks of the prompt...
@@ -684,8 +687,9 @@ class CountingDecoder(eqx.Module):
     def vocab_size(self):
         return self.inner.vocab_size
 
-    def init_cache(self, batch=None):
-        return self.inner.init_cache(batch)
+    def init_cache(self, batch=None, **kwargs):
+        CACHE_ROWS.append(kwargs.get("max_len"))  # at trace time: the rows asked for
+        return self.inner.init_cache(batch, **kwargs)
 
     def prefill(self, ids, cache, pos=0, **kwargs):
         jax.debug.callback(lambda p: EXECUTED.append(("prefill", int(p))), pos)
@@ -697,6 +701,7 @@ class CountingDecoder(eqx.Module):
 
 
 EXECUTED = []
+CACHE_ROWS = []
 
 
 def test_work_follows_the_tokens_generated_not_max_len(capsys):

@@ -62,17 +62,20 @@ class KVCache(eqx.Module):
         config: DecoderConfig,
         *,
         batch: int | None = None,
+        max_len: int | None = None,
         dtype=None,
         chunk: int = DEFAULT_CHUNK,
     ) -> "KVCache":
         """Zeros for `config`, with a leading `batch` axis if given.
 
+        `max_len` rows (at most `config.max_len`; `None` means `config.max_len`).
         `dtype=None` stores rows in the model's dtype (exact); `dtype="int8"` stores int8
         rows with float32 per-row scales.
         """
         batch = check_int(batch, "batch", minimum=1, none=True)
         chunk = check_int(chunk, "chunk", minimum=1)
-        shape = _shape(config) if batch is None else (batch, *_shape(config))
+        rows = check_rows(max_len, config)
+        shape = _shape(config, rows) if batch is None else (batch, *_shape(config, rows))
         # Separate buffers for each field, so that the cache can be donated.
         if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
             zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
@@ -100,12 +103,19 @@ class KVCache(eqx.Module):
         return int(sum(a.nbytes for a in arrays if a is not None))
 
     def check(self, config: DecoderConfig) -> None:
-        """Raise unless this is an unbatched cache for a model with `config`."""
-        expected = _shape(config)
-        if self.keys.shape != expected or self.values.shape != expected:
+        """Raise unless this is an unbatched cache for a model with `config`, of at most
+        `config.max_len` rows."""
+        rows = self.keys.shape[-2] if self.keys.ndim == 4 else config.max_len
+        expected = _shape(config, rows)
+        if (
+            self.keys.shape != expected
+            or self.values.shape != expected
+            or not 1 <= rows <= config.max_len
+        ):
             raise ValueError(
-                f"cache has shape {self.keys.shape} but this model needs {expected} "
-                "(blocks, kv_heads, max_len, head_dim); build it with model.init_cache()."
+                f"cache has shape {self.keys.shape} but this model needs "
+                f"{_shape(config, config.max_len)} (blocks, kv_heads, max_len, head_dim), or "
+                f"fewer rows than {config.max_len}; build it with model.init_cache()."
             )
         if self.quantized:
             ok = (
@@ -203,9 +213,24 @@ def quantize_rows(
     return q, scale
 
 
-def _shape(config: DecoderConfig) -> tuple[int, int, int, int]:
-    """`(blocks, kv_heads, max_len, head_dim)` for one sequence."""
-    return (config.n_blocks, config.n_kv_heads, config.max_len, config.head_dim)
+def _shape(config: DecoderConfig, rows: int) -> tuple[int, int, int, int]:
+    """`(blocks, kv_heads, rows, head_dim)` for one sequence."""
+    return (config.n_blocks, config.n_kv_heads, rows, config.head_dim)
+
+
+def check_rows(max_len, config: DecoderConfig) -> int:
+    """A cache length: `None` means the model's `max_len`; anything else is an int in
+    `[1, config.max_len]`."""
+    rows = check_int(max_len, "max_len", minimum=1, none=True)
+    if rows is None:
+        return config.max_len
+    if rows > config.max_len:
+        raise ValueError(
+            f"max_len={rows} cache rows, but the model's max_len is {config.max_len}; "
+            "a cache cannot hold positions the model was not built for. Pass at most "
+            f"{config.max_len}, or build the model with a larger max_len."
+        )
+    return rows
 
 
 def cache_nbytes(

@@ -16,6 +16,11 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def on_device(x):
+    """`x` as a JAX array: `jax.device_put` for a NumPy array (no compile), else as is."""
+    return x if isinstance(x, jax.Array) else jax.device_put(x)
+
+
 def check_int(value, name: str, *, minimum: int | None = None, none: bool = False) -> int | None:
     """A Python or NumPy integer (not a bool) that is `>= minimum`, returned as `int`.
 
@@ -35,10 +40,19 @@ def check_int(value, name: str, *, minimum: int | None = None, none: bool = Fals
     return int(value)
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
-    """Check that `x` holds integers of rank `ndim` and return it as an int32 array."""
-    if isinstance(x, (list, tuple)):
-        x = np.asarray(x)
+    """Check that `x` holds integers of rank `ndim` and return it as int32.
+
+    A concrete `x` (a list, NumPy or JAX array, not a tracer) is range-checked in its own
+    dtype before the cast, so `2**32 + 5` is refused as itself instead of wrapping to 5,
+    and it comes back as a NumPy array: no device work, no compile. A tracer comes back
+    as an int32 tracer.
+    """
+    if isinstance(x, (list, tuple, int, np.integer)) and not isinstance(x, bool):
+        x = _python_ints(x, name)
     if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}.")
     if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
@@ -51,7 +65,33 @@ def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
         raise ValueError(
             f"{name} must have rank {' or '.join(map(str, ndims))}, got shape {x.shape}.{hint}"
         )
-    return jnp.asarray(x).astype(jnp.int32)
+    if not is_concrete(x):
+        return x.astype(jnp.int32)
+    values = np.asarray(x)
+    bad = (values < _INT32.min) | (values > _INT32.max)
+    if bad.any():
+        raise ValueError(
+            f"{name} holds integers outside the int32 range: {values[bad][:5].tolist()}; "
+            "token ids, lengths and positions must fit in int32."
+        )
+    return values.astype(np.int32)
+
+
+def _python_ints(x, name: str) -> np.ndarray:
+    """A list (or scalar) of Python ints as an int64 array, or a clear error."""
+    try:
+        return np.asarray(x, dtype=np.int64) if _all_ints(x) else np.asarray(x)
+    except OverflowError:
+        raise ValueError(
+            f"{name} holds integers outside the int32 range (too large even for int64); "
+            "token ids, lengths and positions must fit in int32."
+        ) from None
+
+
+def _all_ints(x) -> bool:
+    if isinstance(x, (list, tuple)):
+        return all(_all_ints(v) for v in x)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def check_vocab(ids, vocab_size: int, name: str = "ids", *, valid=None):
@@ -82,19 +122,23 @@ def check_vocab(ids, vocab_size: int, name: str = "ids", *, valid=None):
 
 def check_span(pos, seq: int, max_len: int, name: str = "pos"):
     """Check `0 <= pos` and `pos + seq <= max_len`; return `pos` as an int32 scalar."""
-    if isinstance(pos, bool):
+    if isinstance(pos, bool) or not (is_concrete(pos) or hasattr(pos, "dtype")):
         raise TypeError(f"{name} must be an integer position, got {pos!r}.")
-    pos_arr = jnp.asarray(pos)
-    if pos_arr.ndim != 0 or not jnp.issubdtype(pos_arr.dtype, jnp.integer):
-        raise TypeError(f"{name} must be a scalar integer position, got {pos!r}.")
-    pos_arr = pos_arr.astype(jnp.int32)
+    if hasattr(pos, "ndim") and pos.ndim != 0:
+        raise TypeError(f"{name} must be a scalar integer position, got shape {pos.shape}.")
     message = (
         f"{name} + sequence length must be within max_len={max_len} and {name} >= 0 "
-        f"(sequence length {seq}); the cache has max_len rows."
+        f"(sequence length {seq}); the cache has {max_len} rows."
     )
-    if is_concrete(pos_arr):
-        value = int(np.asarray(pos_arr))
+    try:
+        pos = as_int_array(pos, name, ndim=0)
+    except TypeError:
+        raise TypeError(f"{name} must be a scalar integer position, got {pos!r}.") from None
+    except ValueError as e:
+        raise ValueError(f"{message} {e}") from None
+    if is_concrete(pos):
+        value = int(pos)
         if value < 0 or value + seq > max_len:
             raise ValueError(message + f" Got {name}={value}.")
-        return pos_arr
-    return eqx.error_if(pos_arr, (pos_arr < 0) | (pos_arr + seq > max_len), message)
+        return on_device(pos)
+    return eqx.error_if(pos, (pos < 0) | (pos + seq > max_len), message)

@@ -1,9 +1,15 @@
 """The cached generate program: a chunked prefill, then one token per row per iteration.
 
 It is one `eqx.filter_jit` program. The loop state is a `DecodeState`, a named
-record like Gemma's `SamplingState`; everything but the shapes, the prefill chunk and the
-mesh is a traced argument, so a new prompt, `max_new`, sampling setting or key does not
-recompile.
+record like Gemma's `SamplingState`; everything but the shapes (the batch and the cache
+length), the prefill chunk and the mesh is a traced argument, so a new prompt, `max_new`,
+sampling setting or key does not recompile.
+
+The loop is a `lax.while_loop` that stops when every row is done, so a job costs what
+its tokens cost, whatever the cache length. A `while_loop` cannot be reverse-
+differentiated, so when the model's arrays are being differentiated (`jax.grad` of the
+log-probabilities) the loop is a `lax.scan` over the cache length instead, whose finished
+iterations are skipped with a `lax.cond`.
 """
 
 import functools
@@ -12,7 +18,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, UInt
+from jaxtyping import Array, Bool, Float, Int, Key
 
 from ._cache import KVCache
 from ._sampling import Sampling, sample_token
@@ -40,34 +46,65 @@ class DecodeState(eqx.Module):
     logprobs: Float[Array, "batch max_len"]
 
 
-@eqx.filter_jit
-def generate_cached(
+def generate_cached(model, *args, **static):
+    """`decode_program`, compiled, called with the model's arrays as arguments.
+
+    Like `eqx.filter_jit`, but cheaper per call for the small models whose generation is
+    dominated by fixed costs: when every leaf of the model is an array, the leaves go to
+    `jax.jit` as a flat list beside the (hashable) tree structure, skipping
+    `eqx.partition`'s tree walks. Other models are partitioned as `eqx.filter_jit` does.
+    """
+    leaves, treedef = jax.tree.flatten(model)
+    if all(isinstance(leaf, jax.Array) for leaf in leaves):
+        return generate_program(leaves, *args, structure=treedef, **static)
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    return generate_program(arrays, *args, structure=rest, **static)
+
+
+def _rebuild(arrays, structure):
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        return jax.tree.unflatten(structure, arrays)
+    return eqx.combine(arrays, structure)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("structure", "batched", "chunk", "differentiable", "mesh", "rules"),
+)
+def generate_program(arrays, *args, structure, **static):
+    return decode_program(_rebuild(arrays, structure), *args, **static)
+
+
+def decode_program(
     model,
     buffer: Int[Array, "batch max_len"],
     lengths: Int[Array, " batch"],
     max_new: Int[Array, ""],
     sampling: Sampling,
-    keys: UInt[Array, "batch 2"],
+    key: Key[Array, ""],
     *,
+    batched: bool,
     chunk: int,
+    differentiable: bool = False,
     mesh=None,
     rules=None,
 ) -> tuple[Int[Array, "batch max_len"], Float[Array, "batch max_len"], Int[Array, " batch"]]:
     """Prefill, then decode, as one program.
 
-    With a `mesh`, the batched cache is pinned to the sharding `eqrope.shard` gives a
-    cache, and the results are replicated.
+    `buffer` has one column per cache row. Row `i` samples with
+    `fold_in(row_key_i, position)`, where `row_key_i = key` for an unbatched call and
+    `jax.random.split(key, batch)[i]` for a batched one. `differentiable=True` runs the
+    loop as a scan (reverse-differentiable) instead of a while loop. With a `mesh`, the
+    batched cache is pinned to the sharding `eqrope.shard` gives a cache, and the results
+    are replicated.
 
     **Returns:** `(tokens, logprobs, ends)`: the text buffer, the log-probabilities and
     each row's end (prompt plus generated tokens).
     """
     batch, max_len = buffer.shape
+    keys = jax.random.split(key, batch) if batched else key[None]
     cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
     step = functools.partial(decode_step, model, max_new, sampling, keys, mesh, rules)
-
-    def body(state: DecodeState, _):
-        return jax.lax.cond(jnp.any(~state.done), step, lambda s: s, state), None
-
     state = DecodeState(
         cache=cache,
         logits=logits,
@@ -77,7 +114,14 @@ def generate_cached(
         tokens=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
     )
-    state, _ = jax.lax.scan(body, state, None, length=max_len - 1)
+    if differentiable:
+
+        def body(state: DecodeState, _):
+            return jax.lax.cond(jnp.any(~state.done), step, lambda s: s, state), None
+
+        state, _ = jax.lax.scan(body, state, None, length=max_len - 1)
+    else:
+        state = jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
     # Replicated (plain arrays under `constrain`), so every process can read them.
     return constrain((state.tokens, state.logprobs, state.pos), mesh, rules)
 
@@ -86,25 +130,21 @@ def decode_step(model, max_new, sampling: Sampling, keys, mesh, rules, state: De
     """Sample each unfinished row's token at `pos`, then run the model one step on it."""
     batch, max_len = state.tokens.shape
     pos, done = state.pos, state.done
-    row_keys = jax.vmap(jax.random.fold_in)(keys, pos)
-    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, None))(state.logits, row_keys, sampling)
+    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, 0, None))(state.logits, keys, pos, sampling)
     rows = jnp.arange(batch)
     tokens = state.tokens.at[rows, pos].set(jnp.where(done, state.tokens[rows, pos], tok))
     logprobs = state.logprobs.at[rows, pos].set(jnp.where(done, state.logprobs[rows, pos], lp))
     n_new = state.n_new + jnp.where(done, 0, 1).astype(jnp.int32)
     finished = done | (tok == sampling.eos) | (n_new >= max_new) | (pos + 1 >= max_len)
 
-    def advance(carry):
-        cache, _ = carry
-        step_pos = jnp.minimum(pos, max_len - 1)
-        # An unbatched bound lets every row skip the cache chunks past the batch's
-        # furthest position (a batched one would make the skip a select).
-        step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
-        logits, cache = jax.vmap(step)(tok, cache, step_pos)
-        return constrain(cache, mesh, rules), logits.astype(jnp.float32)
-
-    carry = (state.cache, state.logits)
-    cache, logits = jax.lax.cond(jnp.any(~finished), advance, lambda c: c, carry)
+    # Every iteration runs the step: when all rows have just finished it is wasted, but
+    # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
+    step_pos = jnp.minimum(pos, max_len - 1)
+    # An unbatched bound lets every row skip the cache chunks past the batch's furthest
+    # position (a batched one would make the skip a select).
+    step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
+    logits, cache = jax.vmap(step)(tok, state.cache, step_pos)
+    cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
     return DecodeState(
         cache=cache,
         logits=logits,
@@ -127,7 +167,7 @@ def prefill_rows(
     **Returns:** the batched cache and the float32 logits at each row's last prompt token.
     """
     batch, max_len = buffer.shape
-    single = model.init_cache()
+    single = model.init_cache(max_len=max_len)
     cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), single)
     cache = constrain(cache, mesh, rules)
     n_chunks = math.ceil(max_len / chunk)

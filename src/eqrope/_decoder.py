@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._block import DecoderBlock
 from ._cache import DEFAULT_CHUNK, KVCache, NewRows
-from ._checks import as_int_array, check_span, check_vocab
+from ._checks import as_int_array, check_span, check_vocab, on_device
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
 from ._norm import make_norm, norm_rows
@@ -156,15 +156,27 @@ class RotaryDecoder(eqx.Module):
     # -- the cache protocol --------------------------------------------------------------
 
     def init_cache(
-        self, batch: int | None = None, *, dtype=None, chunk: int = DEFAULT_CHUNK
+        self,
+        batch: int | None = None,
+        *,
+        max_len: int | None = None,
+        dtype=None,
+        chunk: int = DEFAULT_CHUNK,
     ) -> KVCache:
-        """An empty cache of `max_len` rows (with a leading `batch` axis if given).
+        """An empty cache (with a leading `batch` axis if given).
 
-        `dtype=None` stores keys and values in the model's dtype (exact); `dtype="int8"`
-        stores them as int8 with a float32 scale per row (see [`eqrope.KVCache`][]).
-        `chunk` is how many rows attention reads at a time; it never changes a result.
+        **Arguments:**
+
+        - `batch`: rows of a batched cache, for use with `jax.vmap`; `None` for one
+          sequence.
+        - `max_len`: the cache rows, that is the most positions it holds, at most the
+          model's `max_len`; `None` means the model's. RoPE needs no table, so a shorter
+          cache changes nothing but the memory and the positions it can hold.
+        - `dtype`: `None` stores keys and values in the model's dtype (exact); `"int8"`
+          stores them as int8 with a float32 scale per row (see [`eqrope.KVCache`][]).
+        - `chunk`: how many rows attention reads at a time; it never changes a result.
         """
-        return KVCache.empty(self.config, batch=batch, dtype=dtype, chunk=chunk)
+        return KVCache.empty(self.config, batch=batch, max_len=max_len, dtype=dtype, chunk=chunk)
 
     def prefill(
         self,
@@ -185,7 +197,7 @@ class RotaryDecoder(eqx.Module):
         recompile: the logits of the real tokens do not see the pads, and the rows written
         for the pads are masked until a later step overwrites them.
 
-        `check=False` skips the value checks (token ids in range, `pos + seq <= max_len`),
+        `check=False` skips the value checks (token ids in range, `pos + seq <= rows`),
         which cost compile time inside loops; only for callers that have checked already,
         such as [`eqrope.generate`][]. Shapes and dtypes are always checked.
 
@@ -202,9 +214,9 @@ class RotaryDecoder(eqx.Module):
         cache.check(self.config)
         if check:
             ids = self._check_ids(ids, "ids")
-            pos = check_span(pos, ids.shape[0], self.config.max_len, "pos")
+            pos = check_span(pos, ids.shape[0], cache.max_len, "pos")
         else:
-            ids = as_int_array(ids, "ids", ndim=1)
+            ids = on_device(as_int_array(ids, "ids", ndim=1))
             pos = jnp.asarray(pos).astype(jnp.int32)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
         logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound)
@@ -225,7 +237,8 @@ class RotaryDecoder(eqx.Module):
 
         **Returns:** `(logits, cache)`, the logits for the next position.
         """
-        token = as_int_array(token, "token", ndim=0, hint=" Pass one token id; for a batch use jax.vmap.")
+        hint = " Pass one token id; for a batch use jax.vmap."
+        token = on_device(as_int_array(token, "token", ndim=0, hint=hint))
         logits, cache = self.prefill(token[None], cache, pos, check=check, kv_bound=kv_bound)
         return logits[0], cache
 
@@ -245,4 +258,4 @@ class RotaryDecoder(eqx.Module):
                 f"{name} has {ids.shape[0]} tokens but max_len={self.config.max_len}; "
                 "shorten the sequence or build the model with a larger max_len."
             )
-        return check_vocab(ids, self.config.vocab_size, name)
+        return on_device(check_vocab(ids, self.config.vocab_size, name))

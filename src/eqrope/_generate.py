@@ -6,6 +6,7 @@ and token sampling in `_sampling.py`.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -37,6 +38,7 @@ def generate(
     prompt,
     max_new: int,
     *,
+    max_len: int | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -61,8 +63,14 @@ def generate(
       power of two so that it compiles once per bucket, not once per length
       ([`eqrope.testing.Uncached`][] wraps a decoder so).
     - `prompt`: `(seq,)` token ids, or `(batch, seq)` for a batch.
-    - `max_new`: the most tokens to add. Generation also stops when the text reaches the
-      model's `max_len` (the cache has no more rows), and, per row, after `eos_id`.
+    - `max_new`: the most tokens to add. Generation also stops when the text fills the
+      cache (`max_len` positions), and, per row, after `eos_id`.
+    - `max_len`: the cache rows of this call, at most the model's `max_len`. The program
+      compiles once per value. `None` picks the smallest power of two (at least 16) that
+      holds the prompt and `max_new` tokens, capped at the model's `max_len`, so a short
+      job on a model built for 131072 positions allocates a short cache; a new power of
+      two compiles a new program. `max_len=model.max_len` pins one program for every
+      call (and lets generation run to the model's last position).
     - `temperature`, `top_k`, `top_p`: sampling; `temperature=0` is greedy. These are traced
       values: changing them does not recompile.
     - `key`: a PRNG key, needed when `temperature > 0`. The token at position `t` of a row
@@ -84,7 +92,8 @@ def generate(
       are those of one device, and the program compiles once per mesh and rules.
 
     **Returns:** token ids of shape `(total,)` or `(batch, total)`, with
-    `total = min(seq + max_new, max_len)`: each row holds its prompt (its first
+    `total = min(seq + max_new, max_len)` (the call's `max_len`; with the default it is
+    `min(seq + max_new, model.max_len)`): each row holds its prompt (its first
     `prompt_lengths[i]` tokens), then its new tokens, then `pad_id` up to `total`.
 
     The cached path is differentiable: `jax.grad` of `generate(...).logprobs.sum()` with
@@ -95,6 +104,7 @@ def generate(
         model,
         prompt,
         max_new,
+        max_len=max_len,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -112,32 +122,36 @@ def generate(
         raise ValueError("mesh is only for models with the cache protocol.")
     else:
         tokens, logprobs, ends = generate_uncached(model, request)
-    result = _finish(request, tokens, logprobs, ends)
-    return result if return_logprobs else result.tokens
+    return _finish(request, tokens, logprobs, ends, return_logprobs)
 
 
 def _run_cached(model, request: Request, chunk: int, mesh, rules):
     batch, seq = request.prompt.shape
     buffer = np.zeros((batch, request.max_len), np.int32)
     buffer[:, :seq] = request.prompt
-    lengths, keys = request.lengths, request.keys
+    lengths = request.lengths
     if mesh is not None:
-        buffer, lengths, keys = shard_batch((buffer, lengths, keys), mesh, rules)
+        buffer, lengths = shard_batch((buffer, lengths), mesh, rules)
+    # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
+    differentiable = not all(map(is_concrete, jax.tree.leaves(eqx.filter(model, eqx.is_array))))
     return generate_cached(
         model,
         buffer,
         lengths,
-        jnp.asarray(request.max_new, jnp.int32),
+        np.asarray(request.max_new, np.int32),
         request.sampling,
-        keys,
+        request.key,
+        batched=request.batched,
         chunk=min(chunk, request.max_len),
+        differentiable=differentiable,
         mesh=mesh,
         rules=rules,
     )
 
 
-def _finish(request: Request, tokens, logprobs, ends) -> Generation:
-    """Cut the `(batch, max_len)` buffers to `total` and pad after each row's end.
+def _finish(request: Request, tokens, logprobs, ends, return_logprobs: bool):
+    """Cut the `(batch, max_len)` buffers to `total`, pad after each row's end, and
+    return the tokens or a [`eqrope.Generation`][].
 
     On the host: eager jnp ops would compile anew for every `total`. Under `jax.grad` the
     log-probabilities are tracers and are sliced with jnp.
@@ -146,8 +160,14 @@ def _finish(request: Request, tokens, logprobs, ends) -> Generation:
     ends = np.asarray(ends).astype(np.int32)
     inside = np.arange(total)[None, :] < ends[:, None]
     tokens = np.where(inside, np.asarray(tokens)[:, :total], request.pad_id).astype(np.int32)
+    if not request.batched:
+        tokens, ends = tokens[0], ends[0]
+    # `jax.device_put`, not `jnp.asarray`, which compiles a small program per shape.
+    if not return_logprobs:
+        return jax.device_put(tokens)
     # logprobs are already 0 outside the generated positions.
     logprobs = np.asarray(logprobs)[:, :total] if is_concrete(logprobs) else logprobs[:, :total]
     if not request.batched:
-        tokens, logprobs, ends = tokens[0], logprobs[0], ends[0]
-    return Generation(tokens=jnp.asarray(tokens), logprobs=jnp.asarray(logprobs), lengths=jnp.asarray(ends))
+        logprobs = logprobs[0]
+    tokens, logprobs, ends = jax.device_put((tokens, logprobs, ends))
+    return Generation(tokens=tokens, logprobs=logprobs, lengths=ends)

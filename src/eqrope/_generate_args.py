@@ -5,6 +5,7 @@ clear `TypeError`/`ValueError` naming it, and the compiled program sees only arr
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -21,8 +22,9 @@ class Request:
 
     - `batched`: the prompt was `(batch, seq)` (else `(seq,)`, held here as one row).
     - `prompt`: `(batch, seq)` int32 token ids; `lengths`: `(batch,)` real lengths.
-    - `max_len`: the model's; `max_new`: the most new tokens per row.
-    - `sampling`: the traced settings; `keys`: `(batch, 2)` uint32 row keys.
+    - `max_len`: the positions this call can hold: the cache rows of the cached path
+      (see `cache_rows`); `max_new`: the most new tokens per row.
+    - `sampling`: the traced settings; `key`: one typed PRNG key (rows derive theirs).
     - `pad_id`: fills positions after a row's end.
     """
 
@@ -32,7 +34,7 @@ class Request:
     max_len: int
     max_new: int
     sampling: Sampling
-    keys: jax.Array
+    key: jax.Array
     pad_id: int
 
     @property
@@ -41,27 +43,54 @@ class Request:
         return min(self.prompt.shape[1] + self.max_new, self.max_len)
 
 
+def cache_rows(seq: int, max_new: int, model_max_len: int, max_len: int | None) -> int:
+    """The cache length of one `generate` call.
+
+    `max_len=None` picks the smallest power of two (at least 16) that holds the prompt
+    and `max_new` tokens, capped at the model's `max_len`: a 20-token job on a model built
+    for 131072 positions gets 32 rows, and the program compiles once per power of two.
+    An explicit `max_len` (at most the model's) pins one length, hence one program, for
+    every call.
+    """
+    if max_len is None:
+        wanted = max(16, seq + max_new)
+        return min(1 << (wanted - 1).bit_length(), model_max_len)
+    max_len = check_int(max_len, "max_len", minimum=1)
+    if max_len > model_max_len:
+        raise ValueError(
+            f"max_len={max_len}, but the model's max_len is {model_max_len}; the cache "
+            f"cannot hold more positions than the model. Pass at most {model_max_len}."
+        )
+    if max_len < seq:
+        raise ValueError(
+            f"max_len={max_len} cache rows cannot hold the prompt's {seq} tokens; pass "
+            f"max_len >= {seq}, or None to size the cache from the prompt and max_new."
+        )
+    return max_len
+
+
 def parse_request(
-    model, prompt, max_new, *, temperature, top_k, top_p, key, eos_id, prompt_lengths, pad_id
+    model, prompt, max_new, *, max_len, temperature, top_k, top_p, key, eos_id, prompt_lengths, pad_id
 ) -> Request:
     """Check every argument of `generate` that is about the text and the sampling."""
-    max_len = _max_len(model)
+    model_max_len = _max_len(model)
     vocab = getattr(model, "vocab_size", None)
-    batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, max_len, vocab)
+    batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
     max_new = check_int(max_new, "max_new", minimum=0)
+    rows = cache_rows(prompt.shape[1], max_new, model_max_len, max_len)
     temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, key, vocab)
     eos_id = _check_token_id(eos_id, "eos_id", vocab)
     pad_id = _check_token_id(pad_id, "pad_id", vocab)
     if pad_id is None:
         pad_id = 0 if eos_id is None else eos_id
+    # NumPy scalars: `jnp.asarray` would dispatch a device op for each.
     sampling = Sampling(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_k=jnp.asarray(top_k, jnp.int32),
-        top_p=jnp.asarray(top_p, jnp.float32),
-        eos=jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        temperature=np.asarray(temperature, np.float32),
+        top_k=np.asarray(top_k, np.int32),
+        top_p=np.asarray(top_p, np.float32),
+        eos=np.asarray(-1 if eos_id is None else eos_id, np.int32),
     )
-    keys = _row_keys(key, prompt.shape[0], batched)
-    return Request(batched, prompt, lengths, max_len, max_new, sampling, keys, pad_id)
+    return Request(batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id)
 
 
 def has_cache_protocol(model) -> bool:
@@ -70,7 +99,9 @@ def has_cache_protocol(model) -> bool:
     `generate` calls `prefill(ids, cache, pos, check=False)` and `step(token, cache, pos,
     check=False, kv_bound=bound)` after checking the prompt itself.
     """
-    return all(callable(getattr(model, name, None)) for name in ("init_cache", "prefill", "step"))
+    # On the type: an `eqx.Module` instance's getattr builds a bound method each time.
+    kind = type(model)
+    return all(callable(getattr(kind, name, None)) for name in ("init_cache", "prefill", "step"))
 
 
 def _max_len(model) -> int:
@@ -145,15 +176,30 @@ def _check_sampling(temperature, top_k, top_p, key, vocab):
     return temperature, top_k, top_p
 
 
-def _row_keys(key, batch: int, batched: bool):
+def _check_key(key):
+    """One typed PRNG key, of any implementation (threefry, rbg, ...).
+
+    Raw `uint32` key data (`jax.random.PRNGKey(0)`) is read with the default
+    implementation. `None` gives the default implementation's key 0, used only by greedy
+    decoding, which draws nothing.
+    """
     if key is None:
-        return jnp.zeros((batch, 2), jnp.uint32)
-    key = jnp.asarray(key)
+        return _zero_key(jax.config.jax_default_prng_impl)
+    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}.")
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    if key.shape != (2,) or key.dtype != jnp.uint32:
+        if key.shape != ():
+            raise TypeError(f"key must be one PRNG key, got a key array of shape {key.shape}.")
+        return key
+    try:
+        return jax.random.wrap_key_data(key)
+    except (TypeError, ValueError):
         raise TypeError(
             "key must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
             f"got shape {key.shape} and dtype {key.dtype}."
-        )
-    return jax.random.split(key, batch) if batched else key[None]
+        ) from None
+
+
+@functools.cache
+def _zero_key(impl: str):
+    return jax.random.key(0, impl=impl)

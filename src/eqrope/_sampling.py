@@ -1,17 +1,20 @@
 """Choosing the next token from logits, with every setting a traced value."""
 
-import equinox as eqx
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Key, UInt
+from jaxtyping import Array, ArrayLike, Float, Int, Key, UInt
 
 
-class Sampling(eqx.Module):
-    """The sampling settings of one `generate` call, as arrays.
+class Sampling(NamedTuple):
+    """The sampling settings of one `generate` call, as scalar arrays.
 
     They are arguments of the compiled program, not constants, so changing any of them
     never recompiles. [`eqrope.generate`][] builds this record after checking its
-    arguments (`eqrope._generate_args`).
+    arguments (`eqrope._generate_args`). It is a `NamedTuple` (a pytree), not an
+    `eqx.Module`: it is built on every call, and a Module's construction costs tens of
+    microseconds, a visible part of a small model's generation.
 
     - `temperature`: 0 is greedy.
     - `top_k`: keep the logits `>=` the k-th largest (`top_k >= vocab` keeps everything).
@@ -19,18 +22,23 @@ class Sampling(eqx.Module):
     - `eos`: the end-of-sequence id, or -1 for none.
     """
 
-    temperature: Float[Array, ""]
-    top_k: Int[Array, ""]
-    top_p: Float[Array, ""]
-    eos: Int[Array, ""]
+    temperature: Float[ArrayLike, ""]
+    top_k: Int[ArrayLike, ""]
+    top_p: Float[ArrayLike, ""]
+    eos: Int[ArrayLike, ""]
 
 
 def sample_token(
     logits: Float[Array, " vocab"],
     key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
     sampling: Sampling,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
-    """Sample one token; `temperature == 0` is greedy.
+    """Sample the token at `position` of a row whose key is `key`; `temperature == 0` is
+    greedy.
+
+    The draw uses `jax.random.fold_in(key, position)`, derived only when sampling: greedy
+    decoding spends nothing on keys.
 
     Filtering works on the sorted logits with traced thresholds:
 
@@ -63,7 +71,8 @@ def sample_token(
         threshold = descending[jnp.maximum(n_keep, 1) - 1]
         # With top_p = 1 rounding can count a masked (-inf) entry as kept; kth still holds.
         filtered = jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
-        token = jax.random.categorical(key, filtered).astype(jnp.int32)
+        draw = jax.random.fold_in(key, position)
+        token = jax.random.categorical(draw, filtered).astype(jnp.int32)
         return token, jax.nn.log_softmax(filtered)[token]
 
     # A real branch, not a select: greedy decoding skips the sort and the random draw.

@@ -45,6 +45,7 @@ def generate_uncached(model, request: Request) -> tuple[np.ndarray, np.ndarray, 
     logprobs = np.zeros((batch, max_len), np.float32)
     ends = np.zeros((batch,), np.int32)
     eos = int(request.sampling.eos)
+    keys = jax.random.split(request.key, batch) if request.batched else request.key[None]
     for r in range(batch):
         text = [int(t) for t in request.prompt[r, : request.lengths[r]]]
         tokens[r, : len(text)] = text
@@ -55,8 +56,7 @@ def generate_uncached(model, request: Request) -> tuple[np.ndarray, np.ndarray, 
             padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
             padded[:pos] = text
             logits = _last_logits(model, jnp.asarray(padded), jnp.asarray(pos - 1, jnp.int32))
-            key = jax.random.fold_in(request.keys[r], pos)
-            tok, lp = _sample(logits, key, request.sampling)
+            tok, lp = _sample(logits, keys[r], np.asarray(pos, np.int32), request.sampling)
             text.append(int(tok))
             tokens[r, pos], logprobs[r, pos] = int(tok), float(lp)
             if int(tok) == eos:
