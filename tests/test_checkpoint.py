@@ -1,12 +1,15 @@
 """eqrope.save / eqrope.load: bitwise round trips and clear errors for damaged checkpoints."""
 
 import json
+import os
 import pickle
 import struct
+from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -39,7 +42,9 @@ def _model(seed=0, **kwargs):
     Built from its shapes (`eqx.filter_eval_shape`), which is much faster than running
     the initialisers eagerly.
     """
-    shapes = eqx.filter_eval_shape(eqrope.RotaryDecoder, *SIZES, key=jax.random.PRNGKey(3), **kwargs)
+    shapes = eqx.filter_eval_shape(
+        lambda: eqrope.RotaryDecoder(*SIZES, key=jax.random.PRNGKey(3), **kwargs)
+    )
     return _randomise(shapes, seed)
 
 
@@ -73,7 +78,7 @@ def test_file_layout_is_json_plus_safetensors(tmp_path):
     eqrope.save(tmp_path, model)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["format"] == "eqrope-checkpoint" and config["format_version"] == 1
+    assert config["format"] == "eqrope-checkpoint" and config["format_version"] == 2
     assert config["config"] == model.config.to_dict()
     raw = (tmp_path / "model.safetensors").read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
@@ -238,6 +243,168 @@ def test_save_refuses_bad_input(tmp_path):
     with pytest.raises(FileExistsError, match="refusing to overwrite"):
         eqrope.save(tmp_path / "hf", model)
     assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+    (tmp_path / "arrays").mkdir()
+    (tmp_path / "arrays" / "model.safetensors").write_bytes(b"someone else's")
+    with pytest.raises(FileExistsError, match="model.safetensors exists without an eqrope"):
+        eqrope.save(tmp_path / "arrays", model)
+    assert (tmp_path / "arrays" / "model.safetensors").read_bytes() == b"someone else's"
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         eqrope.save(tmp_path / "file", model)
+
+
+# -- a save is all or nothing, and the two files are bound together ----------------------
+
+
+@pytest.fixture
+def unchecked():
+    """Turn off the suite's jaxtyping hook (which refuses a np.float32 for a `float` field
+    itself), to test eqrope's own checks as users run them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _saved_bytes(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_numpy_scalars_in_the_config_save_as_plain_json(tmp_path, unchecked):
+    """The issue's reproduction: np.float32(5e5) used to fail after the arrays were written."""
+    directory = eqrope.save(tmp_path / "ckpt", _model())
+    new = _model(seed=1, rope_base=np.float32(5e5), norm_eps=np.float64(1e-6))
+    assert type(new.config.rope_base) is float and new.config.rope_base == 500000.0
+    eqrope.save(directory, new)
+    loaded = eqrope.load(directory)
+    assert loaded.config == new.config and loaded.config.rope_base == 500000.0
+    assert _bytes_equal(loaded.embed, new.embed)
+    stored = json.loads((directory / "config.json").read_text())["config"]
+    assert stored["rope_base"] == 500000.0 and stored["norm_eps"] == 1e-6
+
+
+def test_failed_serialisation_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    directory = eqrope.save(tmp_path / "ckpt", _model())
+    (directory / "notes.txt").write_text("mine")
+    before = _saved_bytes(directory)
+
+    def broken(*args, **kwargs):
+        raise TypeError("not JSON serialisable")
+
+    monkeypatch.setattr(json, "dumps", broken)
+    with pytest.raises(TypeError, match="not JSON serialisable"):
+        eqrope.save(directory, _model(seed=1, rope_base=5e5))
+    monkeypatch.undo()
+    assert _saved_bytes(directory) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left
+
+
+def test_failed_rename_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    """A failure at the last moment (the second rename) restores the old directory."""
+    directory = eqrope.save(tmp_path / "ckpt", _model())
+    (directory / "notes.txt").write_text("mine")
+    before = _saved_bytes(directory)
+    real_replace, calls = os.replace, []
+
+    def flaky(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        eqrope.save(directory, _model(seed=1, rope_base=5e5))
+    monkeypatch.undo()
+    assert _saved_bytes(directory) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert eqrope.load(directory).config.rope_base == 10000.0
+
+
+def test_overwrite_keeps_other_files_in_the_directory(tmp_path):
+    directory = eqrope.save(tmp_path / "ckpt", _model())
+    (directory / "train.json").write_text("{}")
+    eqrope.save(directory, _model(seed=1))
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "config.json", "model.safetensors", "train.json"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_arrays_from_another_save_are_refused(tmp_path):
+    """Same shapes, different config: the pair used to load silently with the wrong config."""
+    a = eqrope.save(tmp_path / "a", _model())
+    b = eqrope.save(tmp_path / "b", _model(seed=1, rope_base=5e5))
+    (a / "model.safetensors").write_bytes((b / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="do not belong together") as info:
+        eqrope.load(a)
+    assert info.match(r"config\.json") and info.match(r"model\.safetensors")
+    assert info.match("SHA-256")
+
+
+def test_an_arrays_file_without_the_config_hash_is_refused(tmp_path):
+    eqrope.save(tmp_path, _model())
+    file = tmp_path / "model.safetensors"
+    with safetensors.safe_open(str(file), framework="numpy") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != "config_sha256"}
+        arrays = {name: f.get_tensor(name) for name in f.keys()}
+    safetensors.numpy.save_file(arrays, str(file), metadata=metadata)
+    with pytest.raises(ValueError, match="no SHA-256 of its config"):
+        eqrope.load(tmp_path)
+
+
+def test_format_version_1_still_loads(tmp_path):
+    """Version 1 (no config hash) as the committed experiment checkpoints are written."""
+    model = _model()
+    eqrope.save(tmp_path, model)
+    file = tmp_path / "model.safetensors"
+    with safetensors.safe_open(str(file), framework="numpy") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != "config_sha256"}
+        arrays = {name: f.get_tensor(name) for name in f.keys()}
+    metadata["format_version"] = "1"
+    safetensors.numpy.save_file(arrays, str(file), metadata=metadata)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "format_version": 1}))
+    assert _bytes_equal(eqrope.load(tmp_path).head, model.head)
+
+
+COMMITTED = sorted(Path(__file__).resolve().parent.parent.glob("experiments/checkpoints/*/*"))
+
+
+@pytest.mark.parametrize("directory", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_experiment_checkpoints_load(directory):
+    model = eqrope.load(directory)
+    assert model.config.vocab_size == 12
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"remat": "no"}, r"remat must be True or False, got 'no'"),
+        ({"head_bias": "false"}, r"head_bias must be True or False, got 'false'"),
+        ({"bias": 1}, r"bias must be True or False, got 1"),
+        ({"rope_base": "1e4"}, r"rope_base must be a finite number, got '1e4'"),
+        ({"norm_eps": None}, r"norm_eps must be a finite number, got None"),
+        ({"rope_scaling": {"kind": "llama3", "factor": 4.0, "original_max_len": 0}},
+         r"original_max_len must be a positive int, got 0"),
+        ({"rope_scaling": {"kind": "llama3", "factor": 4.0, "original_max_len": -16}},
+         r"original_max_len must be a positive int, got -16"),
+        ({"rope_scaling": {"kind": "llama3", "factor": 4.0, "original_max_len": 16.0}},
+         r"original_max_len must be a positive int, got 16.0"),
+        ({"rope_scaling": {"kind": "linear", "factor": float("inf")}},
+         r"factor must be a finite number, got inf"),
+        ({"rope_scaling": {"kind": "linear", "factor": "2"}},
+         r"factor must be a finite number, got '2'"),
+        ({"rope_scaling": {"kind": "llama3", "factor": 4.0, "low_freq_factor": float("nan")}},
+         r"low_freq_factor must be a finite number, got nan"),
+        ({"rope_scaling": [4.0]}, r"rope_scaling must be a JSON object"),
+    ],
+)
+def test_config_fields_of_the_wrong_type_are_refused(tmp_path, changes, message, unchecked):
+    model = _model()
+    data = {**model.config.to_dict(), **changes}
+    with pytest.raises((TypeError, ValueError), match=message):
+        eqrope.DecoderConfig.from_dict(data)
+    eqrope.save(tmp_path, model)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match="'config' in .*config.json is invalid: .*" + message):
+        eqrope.load(tmp_path)

@@ -222,7 +222,8 @@ def test_prefill_past_max_len_eager(model, pos, seq):
 def test_prefill_and_step_past_max_len_traced(model):
     prefill = eqx.filter_jit(lambda m, ids, c, p: m.prefill(ids, c, p))
     step = eqx.filter_jit(lambda m, t, c, p: m.step(t, c, p))
-    cache = model.init_cache()
+    # Every row written, so that no position below max_len leaves a gap.
+    _, cache = model.prefill(jnp.zeros((MAX_LEN,), jnp.int32), model.init_cache())
     ids = ints(1, 2, 3)
     logits, _ = prefill(model, ids, cache, jnp.asarray(5, jnp.int32))  # 5 + 3 = 8: fits
     assert logits.shape == (3, VOCAB)

@@ -147,8 +147,11 @@ def test_learned_step_depends_on_the_position():
         small_model("chapter_learned", key=jax.random.PRNGKey(2)), key=jax.random.PRNGKey(3)
     )
     token = jnp.asarray(5, jnp.int32)
-    at_0, _ = model.step(token, model.init_cache(), 0)
-    at_7, _ = model.step(token, model.init_cache(), 7)
+    empty = model.init_cache()
+    # Without `filled` the cache does not refuse the gap below position 7 (on purpose here).
+    unchecked = eqrope.KVCache(keys=empty.keys, values=empty.values)
+    at_0, _ = model.step(token, empty, 0)
+    at_7, _ = model.step(token, unchecked, 7)
     # With an empty cache the only difference between the two is the table row.
     expected_0 = model(token[None])[0]
     np.testing.assert_allclose(np.asarray(at_0), np.asarray(expected_0), atol=1e-5)

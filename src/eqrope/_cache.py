@@ -9,9 +9,10 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
-from ._checks import check_int
+from ._checks import check_int, is_concrete
 from ._config import DecoderConfig
 
 
@@ -44,6 +45,12 @@ class KVCache(eqx.Module):
     Attention reads the rows in chunks of `chunk` rows (a static field, default 256) and
     skips chunks past the position; see [`block`][eqrope.KVCache.block].
 
+    `filled` counts the rows written so far (rows `0 .. filled - 1`; every write at `pos`
+    raises it to at least `pos + seq`). `model.prefill` and `model.step` refuse a position
+    past it, eagerly and under `jit`, since the rows in between would be attended as if
+    they held tokens. Writing below it (rewinding, or re-prefilling) is allowed. A cache
+    built by hand without `filled` is not checked.
+
     It is immutable: `model.prefill` and `model.step` return a new cache. Under `jit`
     (and in the loop of `eqrope.generate`) XLA updates the buffer in place. A batch of
     caches has a leading `batch` axis on every array (`model.init_cache(batch=...)`), and
@@ -54,6 +61,7 @@ class KVCache(eqx.Module):
     values: Rows | QuantRows
     key_scales: Scales | None = None
     value_scales: Scales | None = None
+    filled: Int[Array, "*batch"] | None = None
     chunk: int = eqx.field(static=True, default=DEFAULT_CHUNK)
 
     @classmethod
@@ -77,13 +85,14 @@ class KVCache(eqx.Module):
         rows = check_rows(max_len, config)
         shape = _shape(config, rows) if batch is None else (batch, *_shape(config, rows))
         # Separate buffers for each field, so that the cache can be donated.
+        filled = jnp.zeros(shape[:-4], jnp.int32)
         if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
             zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
-            return cls(keys=zeros(), values=zeros(), chunk=chunk)
+            return cls(keys=zeros(), values=zeros(), filled=filled, chunk=chunk)
         if jnp.dtype(dtype) == jnp.int8:
             q = lambda: jnp.zeros(shape, jnp.int8)
             s = lambda: jnp.ones(shape[:-1], jnp.float32)
-            return cls(keys=q(), values=q(), key_scales=s(), value_scales=s(), chunk=chunk)
+            return cls(q(), q(), key_scales=s(), value_scales=s(), filled=filled, chunk=chunk)
         raise ValueError(
             f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
         )
@@ -98,7 +107,7 @@ class KVCache(eqx.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the arrays (scales included)."""
+        """Bytes held by the rows and their scales (not the `filled` counter)."""
         arrays = (self.keys, self.values, self.key_scales, self.value_scales)
         return int(sum(a.nbytes for a in arrays if a is not None))
 
@@ -141,14 +150,33 @@ class KVCache(eqx.Module):
             start = (zero, zero, pos) + (zero,) * (buffer.ndim - 3)
             return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
 
+        filled = self.filled
+        if filled is not None:
+            filled = jnp.maximum(filled, pos + keys.shape[-2]).astype(filled.dtype)
         if not self.quantized:
-            return eqx.tree_at(
-                lambda c: (c.keys, c.values), self, (put(self.keys, keys), put(self.values, values))
-            )
-        qk, sk = quantize_rows(keys)
-        qv, sv = quantize_rows(values)
-        new = (put(self.keys, qk), put(self.values, qv), put(self.key_scales, sk), put(self.value_scales, sv))
-        return eqx.tree_at(lambda c: (c.keys, c.values, c.key_scales, c.value_scales), self, new)
+            new = (put(self.keys, keys), put(self.values, values), None, None)
+        else:
+            (qk, sk), (qv, sv) = quantize_rows(keys), quantize_rows(values)
+            new = (put(self.keys, qk), put(self.values, qv), put(self.key_scales, sk), put(self.value_scales, sv))
+        return KVCache(*new, filled=filled, chunk=self.chunk)
+
+    def check_position(self, pos, seq: int):
+        """`pos`, unless writing `seq` rows there would leave unwritten rows below it (a
+        position past `filled`); raises eagerly, or under `jit` through `eqx.error_if`."""
+        if self.filled is None:
+            return pos
+        if is_concrete(pos) and is_concrete(self.filled):
+            filled = int(np.asarray(self.filled))
+            if int(pos) > filled:
+                raise ValueError(
+                    f"pos={int(pos)} leaves a gap: the cache holds positions 0..{filled - 1} "
+                    f"(filled={filled}), and rows {filled}..{int(pos) - 1} were never written. "
+                    f"Step or prefill at pos <= {filled}; positions must be consecutive."
+                )
+            return pos
+        return eqx.error_if(
+            pos, pos > self.filled, "pos is past the cache's filled rows (a gap); positions must be consecutive."
+        )
 
     def block(self, index: Int[Array, ""], bound: Int[Array, ""] | None = None) -> "BlockCache":
         """A read-only view of block `index`'s rows (one sequence, no batch axis).

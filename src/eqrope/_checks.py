@@ -5,6 +5,8 @@ at trace time with a message that says the fix; value-dependent errors on traced
 (a token id out of range) go through `eqx.error_if`, whose result must be used.
 """
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,31 @@ def check_int(value, name: str, *, minimum: int | None = None, none: bool = Fals
     if minimum is not None and value < minimum:
         raise ValueError(f"{wanted}, got {value}.")
     return int(value)
+
+
+def check_float(value, name: str) -> float:
+    """A finite real number (a Python or NumPy int or float, not a bool), as `float`.
+
+    `np.float32(5e5)` becomes `500000.0`, exactly `float(value)`.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"{name} must be a finite number, got {value!r} ({type(value).__name__})."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def check_bool(value, name: str) -> bool:
+    """`True` or `False` (a NumPy bool becomes a `bool`); `"false"`, `0` or `None` raise."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{name} must be True or False, got {value!r} ({type(value).__name__})."
+        )
+    return bool(value)
 
 
 _INT32 = np.iinfo(np.int32)

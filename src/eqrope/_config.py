@@ -1,13 +1,14 @@
 """The decoder's configuration: a small frozen record, validated once."""
 
 import dataclasses
-import math
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
-from ._checks import check_int
+from ._checks import check_bool, check_float, check_int
 
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -37,8 +38,17 @@ class RopeScaling:
             raise ValueError(
                 f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}."
             )
+        object.__setattr__(self, "kind", str(self.kind))
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, check_float(getattr(self, name), f"RopeScaling.{name}"))
+        value = check_int(self.original_max_len, "RopeScaling.original_max_len", minimum=1)
+        object.__setattr__(self, "original_max_len", value)
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}.")
+        if self.kind == "llama3" and not self.low_freq_factor > 0:
+            raise ValueError(
+                f"RopeScaling: llama3 needs low_freq_factor > 0, got {self.low_freq_factor}."
+            )
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 "RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
@@ -69,7 +79,12 @@ class DecoderConfig:
     - `tie_embeddings`: the head reuses the token embedding (transposed).
     - `remat`: recompute each block in the backward pass (`eqx.filter_checkpoint`).
     - `dtype`: the dtype of weights and cache: a name or a dtype, `None` meaning float32
-      (also under `jax_enable_x64`). It is stored by name.
+      (also under `jax_enable_x64`). It is stored by name. `float64` needs
+      `jax.config.update("jax_enable_x64", True)` first.
+
+    Every field is a plain JSON value after validation: NumPy scalars become `int`,
+    `float` or `bool`; a value of the wrong type (`"false"` for a bool, `"32"` for a size,
+    a NaN) raises `TypeError` or `ValueError` naming the field.
     """
 
     vocab_size: int
@@ -100,6 +115,14 @@ class DecoderConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         for name in ("d_ff", "n_kv_heads"):
             object.__setattr__(self, name, check_int(getattr(self, name), name, minimum=1))
+        for name in ("rope_base", "norm_eps"):
+            object.__setattr__(self, name, check_float(getattr(self, name), name))
+        for name in ("bias", "head_bias", "tie_embeddings", "remat"):
+            object.__setattr__(self, name, check_bool(getattr(self, name), name))
+        if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
+            raise TypeError(
+                f"rope_scaling must be an eqrope.RopeScaling or None, got {self.rope_scaling!r}."
+            )
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         if self.d_model % self.n_heads != 0:
             raise ValueError(
@@ -116,7 +139,7 @@ class DecoderConfig:
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads="
                 f"{self.n_kv_heads}; each key/value head must serve a whole group."
             )
-        if not (math.isfinite(self.rope_base) and self.rope_base > 1):
+        if not self.rope_base > 1:
             raise ValueError(f"rope_base must be a finite number > 1, got {self.rope_base}.")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}.")
@@ -131,6 +154,14 @@ class DecoderConfig:
                 raise ValueError(
                     f"{name} must be one of {allowed}, got {getattr(self, name)!r}."
                 )
+            object.__setattr__(self, name, str(getattr(self, name)))
+        if self.dtype == "float64" and jax.dtypes.canonicalize_dtype(jnp.float64) != np.float64:
+            raise ValueError(
+                "dtype='float64' needs jax_enable_x64, which is off: without it every array "
+                "would silently be float32. Call jax.config.update('jax_enable_x64', True) "
+                "before building or loading the model (or wrap the code in "
+                "`with jax.enable_x64(True):`), or choose dtype='float32'."
+            )
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError("rope_scaling is set but positions is not 'rope'.")
 
@@ -159,8 +190,17 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"Unknown DecoderConfig fields: {sorted(unknown)}.")
         data = dict(data)
-        if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        scaling = data.get("rope_scaling")
+        if scaling is not None:
+            if not isinstance(scaling, dict):
+                raise TypeError(
+                    f"rope_scaling must be a JSON object (the fields of RopeScaling) or null, "
+                    f"got {scaling!r}."
+                )
+            unknown = set(scaling) - {f.name for f in dataclasses.fields(RopeScaling)}
+            if unknown:
+                raise ValueError(f"Unknown RopeScaling fields: {sorted(unknown)}.")
+            data["rope_scaling"] = RopeScaling(**scaling)
         return cls(**data)
 
 

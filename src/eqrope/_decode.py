@@ -35,6 +35,7 @@ class DecodeState(eqx.Module):
     - `done`: rows that have stopped (EOS, `max_new`, or the cache is full).
     - `tokens`, `logprobs`: `(batch, max_len)` buffers of the text and of each new
       token's log-probability (0 elsewhere).
+    - `nonfinite`: rows stopped because their logits held a NaN or an infinity.
     """
 
     cache: KVCache
@@ -44,6 +45,7 @@ class DecodeState(eqx.Module):
     done: Bool[Array, " batch"]
     tokens: Int[Array, "batch max_len"]
     logprobs: Float[Array, "batch max_len"]
+    nonfinite: Bool[Array, " batch"]
 
 
 def generate_cached(model, *args, **static):
@@ -69,7 +71,7 @@ def _rebuild(arrays, structure):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("structure", "batched", "chunk", "differentiable", "mesh", "rules"),
+    static_argnames=("structure", "batched", "chunk", "differentiable", "check_finite", "mesh", "rules"),
 )
 def generate_program(arrays, *args, structure, **static):
     return decode_program(_rebuild(arrays, structure), *args, **static)
@@ -86,25 +88,31 @@ def decode_program(
     batched: bool,
     chunk: int,
     differentiable: bool = False,
+    check_finite: bool = True,
     mesh=None,
     rules=None,
-) -> tuple[Int[Array, "batch max_len"], Float[Array, "batch max_len"], Int[Array, " batch"]]:
+) -> tuple[
+    Int[Array, "batch max_len"], Float[Array, "batch max_len"], Int[Array, " batch"], Bool[Array, ""]
+]:
     """Prefill, then decode, as one program.
 
     `buffer` has one column per cache row. Row `i` samples with
     `fold_in(row_key_i, position)`, where `row_key_i = key` for an unbatched call and
     `jax.random.split(key, batch)[i]` for a batched one. `differentiable=True` runs the
-    loop as a scan (reverse-differentiable) instead of a while loop. With a `mesh`, the
+    loop as a scan (reverse-differentiable) instead of a while loop. `check_finite`
+    stops a row whose logits hold a NaN or an infinity and flags it, at the cost of one
+    reduction per step; the caller raises. With a `mesh`, the
     batched cache is pinned to the sharding `eqrope.shard` gives a cache, and the results
     are replicated.
 
-    **Returns:** `(tokens, logprobs, ends)`: the text buffer, the log-probabilities and
-    each row's end (prompt plus generated tokens).
+    **Returns:** `(tokens, logprobs, ends, nonfinite)`: the text buffer, the
+    log-probabilities, each row's end (prompt plus generated tokens), and whether any row
+    met non-finite logits.
     """
     batch, max_len = buffer.shape
     keys = jax.random.split(key, batch) if batched else key[None]
     cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
-    step = functools.partial(decode_step, model, max_new, sampling, keys, mesh, rules)
+    step = functools.partial(decode_step, model, max_new, sampling, keys, check_finite, mesh, rules)
     state = DecodeState(
         cache=cache,
         logits=logits,
@@ -113,6 +121,7 @@ def decode_program(
         done=(max_new <= 0) | (lengths >= max_len),
         tokens=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
+        nonfinite=jnp.zeros((batch,), jnp.bool_),
     )
     if differentiable:
 
@@ -123,14 +132,28 @@ def decode_program(
     else:
         state = jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
     # Replicated (plain arrays under `constrain`), so every process can read them.
-    return constrain((state.tokens, state.logprobs, state.pos), mesh, rules)
+    outputs = (state.tokens, state.logprobs, state.pos, jnp.any(state.nonfinite))
+    return constrain(outputs, mesh, rules)
 
 
-def decode_step(model, max_new, sampling: Sampling, keys, mesh, rules, state: DecodeState) -> DecodeState:
+NON_FINITE = (
+    "generate: the model gave non-finite logits (NaN or inf) for a row still generating, so "
+    "every token after it would be garbage. Check the weights (a diverged training run, an "
+    "overflow in a low-precision dtype) or pass check_finite=False to generate anyway."
+)
+
+
+def decode_step(
+    model, max_new, sampling: Sampling, keys, check_finite, mesh, rules, state: DecodeState
+) -> DecodeState:
     """Sample each unfinished row's token at `pos`, then run the model one step on it."""
     batch, max_len = state.tokens.shape
-    pos, done = state.pos, state.done
-    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, 0, None))(state.logits, keys, pos, sampling)
+    pos, done, logits = state.pos, state.done, state.logits
+    nonfinite = state.nonfinite
+    if check_finite:  # a row with a NaN or an inf stops here, flagged, with nothing added
+        nonfinite = nonfinite | (~done & ~jnp.all(jnp.isfinite(logits), axis=-1))
+        done = done | nonfinite
+    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, 0, None))(logits, keys, pos, sampling)
     rows = jnp.arange(batch)
     tokens = state.tokens.at[rows, pos].set(jnp.where(done, state.tokens[rows, pos], tok))
     logprobs = state.logprobs.at[rows, pos].set(jnp.where(done, state.logprobs[rows, pos], lp))
@@ -153,6 +176,7 @@ def decode_step(model, max_new, sampling: Sampling, keys, mesh, rules, state: De
         done=finished,
         tokens=tokens,
         logprobs=logprobs,
+        nonfinite=nonfinite,
     )
 
 

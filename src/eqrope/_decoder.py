@@ -5,7 +5,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._block import DecoderBlock
 from ._cache import DEFAULT_CHUNK, KVCache, NewRows
@@ -101,7 +101,7 @@ class RotaryDecoder(eqx.Module):
 
     # -- the forward pass ----------------------------------------------------------------
 
-    def __call__(self, ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+    def __call__(self, ids: Int[ArrayLike, " seq"]) -> Float[Array, "seq vocab"]:
         """Logits for every position of one sequence, `1 <= seq <= max_len`.
 
         Token ids outside `[0, vocab_size)` raise, also under `jit` (`eqx.error_if`).
@@ -180,9 +180,9 @@ class RotaryDecoder(eqx.Module):
 
     def prefill(
         self,
-        ids: Int[Array, " seq"],
+        ids: Int[ArrayLike, " seq"],
         cache: KVCache,
-        pos: int | Int[Array, ""] = 0,
+        pos: Int[ArrayLike, ""] = 0,
         *,
         check: bool = True,
         kv_bound: Int[Array, ""] | None = None,
@@ -214,7 +214,7 @@ class RotaryDecoder(eqx.Module):
         cache.check(self.config)
         if check:
             ids = self._check_ids(ids, "ids")
-            pos = check_span(pos, ids.shape[0], cache.max_len, "pos")
+            pos = cache.check_position(check_span(pos, ids.shape[0], cache.max_len, "pos"), ids.shape[0])
         else:
             ids = on_device(as_int_array(ids, "ids", ndim=1))
             pos = jnp.asarray(pos).astype(jnp.int32)
@@ -224,9 +224,9 @@ class RotaryDecoder(eqx.Module):
 
     def step(
         self,
-        token: Int[Array, ""],
+        token: Int[ArrayLike, ""],
         cache: KVCache,
-        pos: int | Int[Array, ""],
+        pos: Int[ArrayLike, ""],
         *,
         check: bool = True,
         kv_bound: Int[Array, ""] | None = None,

@@ -7,13 +7,12 @@ and token sampling in `_sampling.py`.
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._checks import check_int, is_concrete
-from ._decode import generate_cached
-from ._generate_args import Request, has_cache_protocol, parse_request
+from ._decode import NON_FINITE, generate_cached
+from ._generate_args import UNDER_JIT, Request, has_cache_protocol, parse_request
 from ._sharding import shard_batch
 from ._uncached import generate_uncached
 
@@ -39,14 +38,15 @@ def generate(
     max_new: int,
     *,
     max_len: int | None = None,
-    temperature: float = 0.0,
+    temperature: float | ArrayLike = 0.0,
     top_k: int | None = None,
-    top_p: float | None = None,
+    top_p: float | ArrayLike | None = None,
     key=None,
     eos_id: int | None = None,
     prompt_lengths=None,
     pad_id: int | None = None,
     return_logprobs: bool = False,
+    check_finite: bool = True,
     prefill_chunk: int = 64,
     mesh=None,
     rules=None,
@@ -82,6 +82,10 @@ def generate(
       the right); `None` means every row is full.
     - `pad_id`: fills positions after a row's end; default `eos_id`, else 0.
     - `return_logprobs`: return a [`eqrope.Generation`][] with log-probabilities.
+    - `check_finite`: raise `FloatingPointError` if the model's logits for a row still
+      generating hold a NaN or an infinity, instead of sampling garbage. Inside the
+      compiled loop it costs one reduction per step: such a row stops and is flagged, and
+      `generate` raises when the program returns. `False` skips the check.
     - `prefill_chunk`: the prompt is prefilled in chunks of this many tokens; only chunks
       that hold prompt tokens run.
     - `mesh`, `rules`: run a model placed with `eqrope.shard(model, mesh, rules)` on that
@@ -117,15 +121,16 @@ def generate(
         raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
     if has_cache_protocol(model):
         chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-        tokens, logprobs, ends = _run_cached(model, request, chunk, mesh, rules)
+        tokens, logprobs, ends, nonfinite = _run_cached(model, request, chunk, check_finite, mesh, rules)
+        if _to_host(nonfinite):
+            raise FloatingPointError(NON_FINITE)
     elif mesh is not None:
         raise ValueError("mesh is only for models with the cache protocol.")
     else:
-        tokens, logprobs, ends = generate_uncached(model, request)
+        tokens, logprobs, ends = generate_uncached(model, request, check_finite)
     return _finish(request, tokens, logprobs, ends, return_logprobs)
 
-
-def _run_cached(model, request: Request, chunk: int, mesh, rules):
+def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
     batch, seq = request.prompt.shape
     buffer = np.zeros((batch, request.max_len), np.int32)
     buffer[:, :seq] = request.prompt
@@ -144,6 +149,7 @@ def _run_cached(model, request: Request, chunk: int, mesh, rules):
         batched=request.batched,
         chunk=min(chunk, request.max_len),
         differentiable=differentiable,
+        check_finite=bool(check_finite),
         mesh=mesh,
         rules=rules,
     )
@@ -157,7 +163,7 @@ def _finish(request: Request, tokens, logprobs, ends, return_logprobs: bool):
     log-probabilities are tracers and are sliced with jnp.
     """
     total = request.total
-    ends = np.asarray(ends).astype(np.int32)
+    ends = _to_host(ends).astype(np.int32)
     inside = np.arange(total)[None, :] < ends[:, None]
     tokens = np.where(inside, np.asarray(tokens)[:, :total], request.pad_id).astype(np.int32)
     if not request.batched:
@@ -171,3 +177,11 @@ def _finish(request: Request, tokens, logprobs, ends, return_logprobs: bool):
         logprobs = logprobs[0]
     tokens, logprobs, ends = jax.device_put((tokens, logprobs, ends))
     return Generation(tokens=tokens, logprobs=logprobs, lengths=ends)
+
+
+def _to_host(x) -> np.ndarray:
+    """`np.asarray(x)`; a tracer here means `generate` was called under `jax.jit`."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(UNDER_JIT.format(name="model")) from None

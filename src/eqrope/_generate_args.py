@@ -73,11 +73,15 @@ def parse_request(
     model, prompt, max_new, *, max_len, temperature, top_k, top_p, key, eos_id, prompt_lengths, pad_id
 ) -> Request:
     """Check every argument of `generate` that is about the text and the sampling."""
+    for name, value in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
+        if not is_concrete(value):
+            raise TypeError(UNDER_JIT.format(name=name))
     model_max_len = _max_len(model)
     vocab = getattr(model, "vocab_size", None)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
     max_new = check_int(max_new, "max_new", minimum=0)
     rows = cache_rows(prompt.shape[1], max_new, model_max_len, max_len)
+    max_new = min(max_new, rows)  # the cache stops the text first; keeps it an int32
     temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, key, vocab)
     eos_id = _check_token_id(eos_id, "eos_id", vocab)
     pad_id = _check_token_id(pad_id, "pad_id", vocab)
@@ -91,6 +95,14 @@ def parse_request(
         eos=np.asarray(-1 if eos_id is None else eos_id, np.int32),
     )
     return Request(batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id)
+
+
+UNDER_JIT = (
+    "generate got a traced {name}: it was called inside jax.jit, jax.vmap or "
+    "eqx.filter_jit. generate is already one compiled program and reads its results on the "
+    "host, so call it outside any transformation (jax.grad of its log-probabilities is "
+    "supported). To write your own compiled loop, jit model.prefill and model.step."
+)
 
 
 def has_cache_protocol(model) -> bool:
@@ -124,7 +136,8 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
     prompt = np.asarray(prompt)
     batch, seq = prompt.shape
     if seq == 0 or batch == 0:
-        raise ValueError(f"prompt is empty (shape {prompt.shape}); pass at least one token.")
+        shape = prompt.shape if batched else prompt.shape[1:]
+        raise ValueError(f"prompt is empty (shape {shape}); pass at least one token.")
     if seq > max_len:
         raise ValueError(
             f"prompt has {seq} tokens but the model's max_len is {max_len}; shorten it."
@@ -157,23 +170,31 @@ def _check_token_id(value, name: str, vocab):
 
 def _check_sampling(temperature, top_k, top_p, key, vocab):
     if is_concrete(temperature):
-        t = float(temperature)
+        t = _real(temperature, "temperature", "a number >= 0 (0 is greedy)")
         if math.isnan(t) or t < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}.")
         if t > 0 and key is None:
             raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
     top_k = check_int(top_k, "top_k", minimum=1, none=True)
-    if top_k is None:
-        top_k = vocab if vocab is not None else np.iinfo(np.int32).max
+    limit = vocab if vocab is not None else np.iinfo(np.int32).max
+    # A top_k of at least the vocabulary keeps everything, whatever its size.
+    top_k = limit if top_k is None else min(top_k, limit)
     if top_p is None:
         top_p = 1.0
-    elif (
-        isinstance(top_p, bool)
-        or not isinstance(top_p, (int, float, np.integer, np.floating))
-        or not 0 < top_p <= 1
-    ):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+    else:
+        top_p = _real(top_p, "top_p", "a number in (0, 1] or None")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
     return temperature, top_k, top_p
+
+
+def _real(value, name: str, wanted: str) -> float:
+    """A Python, NumPy or 0-d JAX real scalar as a float; anything else is refused by name."""
+    if hasattr(value, "dtype") and getattr(value, "ndim", None) == 0 and not isinstance(value, np.generic):
+        value = np.asarray(value)[()]  # a 0-d JAX or NumPy array: its NumPy scalar
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__}).")
+    return float(value)
 
 
 def _check_key(key):

@@ -11,6 +11,8 @@ import numpy as np
 import safetensors
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
+from ._checks import check_int
+from ._checks import check_bool, check_float
 from ._config import DecoderConfig, RopeScaling
 from ._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
@@ -51,7 +53,9 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
     Config fields that eqrope cannot honour raise a `ValueError` naming the field:
     `attention_bias` or `mlp_bias` true, a `hidden_act` other than `silu`, a `head_dim`
     other than `hidden_size / num_attention_heads`, a `rope_scaling` type other than
-    `linear` or `llama3`, partial rotary embeddings.
+    `linear` or `llama3`, partial rotary embeddings. So does a field of the wrong type or
+    range (`num_attention_heads: 0`, `hidden_size: "32"`, `rope_theta: null`), and a shard
+    in the index that lies outside `path` (absolute, `..`, or a symlink out of it).
     """
     path = Path(path)
     if not path.is_dir():
@@ -89,7 +93,11 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
 
 
 def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
-    """The [`eqrope.DecoderConfig`][] of a Hugging Face Llama `config.json` dict."""
+    """The [`eqrope.DecoderConfig`][] of a Hugging Face Llama `config.json` dict.
+
+    Every field read is checked for its type and range; a bad one raises a `ValueError`
+    naming the field and `source`.
+    """
 
     def need(name):
         if name not in hf or hf[name] is None:
@@ -97,6 +105,9 @@ def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
                 f"from_hf_llama: {source} has no field {name!r}; a Llama config needs it."
             )
         return hf[name]
+
+    def size(name, value=None):
+        return _valid(check_int, need(name) if value is None else value, name, source, minimum=1)
 
     def refuse(name, why):
         raise ValueError(
@@ -109,31 +120,34 @@ def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "eqrope's SwiGLU gates with silu, as Llama does.")
     for name in ("attention_bias", "mlp_bias"):
-        if hf.get(name, False):
+        if _valid(check_bool, hf.get(name, False), name, source):
             refuse(name, "eqrope's Llama-style decoder has no projection biases (bias=False).")
-    d_model, n_heads = need("hidden_size"), need("num_attention_heads")
+    d_model, n_heads = size("hidden_size"), size("num_attention_heads")
     if d_model % n_heads != 0:
         refuse("num_attention_heads", f"it does not divide hidden_size={d_model}.")
-    if hf.get("head_dim") is not None and hf["head_dim"] != d_model // n_heads:
+    if hf.get("head_dim") is not None and size("head_dim") != d_model // n_heads:
         refuse(
             "head_dim",
             f"eqrope uses head_dim = hidden_size / num_attention_heads = {d_model // n_heads}.",
         )
-    rope_base, rope_scaling = _rope(hf, source, need("max_position_embeddings"))
+    n_kv_heads = hf.get("num_key_value_heads")
+    max_len = size("max_position_embeddings")
+    rope = _rope(hf, source, max_len)
     try:
         return DecoderConfig(
-            vocab_size=need("vocab_size"),
+            vocab_size=size("vocab_size"),
             d_model=d_model,
             n_heads=n_heads,
-            n_blocks=need("num_hidden_layers"),
-            max_len=need("max_position_embeddings"),
-            d_ff=need("intermediate_size"),
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            rope_base=float(rope_base),
-            rope_scaling=rope_scaling,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            n_blocks=size("num_hidden_layers"),
+            max_len=max_len,
+            d_ff=size("intermediate_size"),
+            n_kv_heads=n_heads if n_kv_heads is None else size("num_key_value_heads"),
+            **rope,
+            norm_eps=_valid(check_float, hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             head_bias=False,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=_valid(
+                check_bool, hf.get("tie_word_embeddings", False), "tie_word_embeddings", source
+            ),
             dtype=dtype_name,
         )
     except ValueError as e:
@@ -142,7 +156,16 @@ def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
         ) from None
 
 
-def _rope(hf: dict, source: str, max_len: int) -> tuple[float, RopeScaling | None]:
+def _valid(check, value, name: str, source: str, **kwargs):
+    """`check(value, name, **kwargs)`, its error raised as a `ValueError` naming `source`."""
+    try:
+        return check(value, name, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"from_hf_llama: {source}: {e}") from None
+
+
+def _rope(hf: dict, source: str, max_len: int) -> dict:
+    """`rope_base` and `rope_scaling` for `DecoderConfig`."""
     # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
     # As in transformers, a non-empty `rope_scaling` wins.
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
@@ -158,19 +181,25 @@ def _rope(hf: dict, source: str, max_len: int) -> tuple[float, RopeScaling | Non
             f"from_hf_llama: {source} has {field} keys {unknown} that eqrope does not know; "
             "refusing to ignore them."
         )
+
+    def number(name, value):
+        return _valid(check_float, value, name, source)
+
     kind = params.get("rope_type", params.get("type", "default"))
-    base = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    base = number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial is not None and number("partial_rotary_factor", partial) != 1.0:
         raise ValueError(
             f"from_hf_llama: {source} sets partial_rotary_factor; eqrope rotates the whole head."
         )
-    if params.get("attention_factor", 1.0) != 1.0:
+    attention = params.get("attention_factor")
+    if attention is not None and number("attention_factor", attention) != 1.0:
         raise ValueError(
             f"from_hf_llama: {source} sets {field}.attention_factor; eqrope does not rescale "
             "attention."
         )
     if kind == "default":
-        return base, None
+        return dict(rope_base=base, rope_scaling=None)
     if kind not in ("linear", "llama3"):
         raise ValueError(
             f"from_hf_llama: {source} has {field} type {kind!r}; eqrope supports 'default', "
@@ -178,23 +207,23 @@ def _rope(hf: dict, source: str, max_len: int) -> tuple[float, RopeScaling | Non
         )
     if "factor" not in params:
         raise ValueError(f"from_hf_llama: {source} has {field} type {kind!r} without a 'factor'.")
-    if kind == "linear":
-        return base, RopeScaling("linear", float(params["factor"]))
-    # As transformers: a top-level original_max_position_embeddings wins, else the dict's,
-    # else max_position_embeddings.
-    original = hf.get("original_max_position_embeddings") or params.get(
-        "original_max_position_embeddings", max_len
-    )
-    for name in ("low_freq_factor", "high_freq_factor"):
-        if name not in params:
-            raise ValueError(f"from_hf_llama: {source} has {field} type 'llama3' without {name!r}.")
-    return base, RopeScaling(
-        "llama3",
-        float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_len=int(original),
-    )
+    scaling = dict(kind=kind, factor=number("factor", params["factor"]))
+    if kind == "llama3":
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if name not in params:
+                raise ValueError(
+                    f"from_hf_llama: {source} has {field} type 'llama3' without {name!r}."
+                )
+            scaling[name] = number(name, params[name])
+        # As transformers: a top-level original_max_position_embeddings wins, else the
+        # dict's, else max_position_embeddings.
+        name = "original_max_position_embeddings"
+        original = hf[name] if hf.get(name) is not None else params.get(name, max_len)
+        scaling["original_max_len"] = _valid(check_int, original, name, source, minimum=1)
+    try:
+        return dict(rope_base=base, rope_scaling=RopeScaling(**scaling))
+    except ValueError as e:
+        raise ValueError(f"from_hf_llama: {source} has an invalid {field}: {e}") from None
 
 
 def _check_tensors(tensors: dict, c: DecoderConfig, path: Path) -> None:
@@ -242,6 +271,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
             raise ValueError(f"from_hf_llama: {index} has no 'weight_map' object.")
         by_file: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            _check_shard(path, name, shard)
             by_file.setdefault(shard, []).append(name)
     elif (path / SINGLE_FILE).is_file():
         by_file = {SINGLE_FILE: None}
@@ -276,3 +306,23 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                 f"from_hf_llama: {file} is truncated or corrupted ({type(e).__name__}: {e})."
             ) from None
     return tensors
+
+
+def _check_shard(path: Path, name: str, shard) -> None:
+    """Refuse an index entry whose file is not inside `path`: not absolute, no `..` out of
+    it, and no symlink out of it, except into the `blobs/` of a Hugging Face hub cache
+    (`<repo>/snapshots/<revision>/` holds links to `<repo>/blobs/`)."""
+    where = f"from_hf_llama: {path / INDEX_FILE} maps {name!r} to {shard!r}"
+    if not isinstance(shard, str) or not shard:
+        raise ValueError(f"{where}, which is not a file name.")
+    root = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    lexical = Path(os.path.normpath(root / shard))
+    real = (path / shard).resolve()
+    if not lexical.is_relative_to(root) or not any(real.is_relative_to(a) for a in allowed):
+        raise ValueError(
+            f"{where}, which is outside the checkpoint directory (it resolves to {real}); "
+            "refusing to read it. Shards must be files inside the directory."
+        )

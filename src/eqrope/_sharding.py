@@ -82,6 +82,7 @@ _CACHE_AXES = {
     "values": _ROWS,
     "key_scales": _ROWS[:-1],
     "value_scales": _ROWS[:-1],
+    "filled": (),
 }
 
 

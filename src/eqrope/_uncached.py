@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._decode import NON_FINITE
 from ._generate_args import Request
 from ._sampling import sample_token
 
@@ -31,7 +32,9 @@ def uncached_bucket(length: int, max_len: int) -> int:
     return min(max(16, 1 << (length - 1).bit_length()), max_len)
 
 
-def generate_uncached(model, request: Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def generate_uncached(
+    model, request: Request, check_finite: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The reference loop, with the same sampling and keys as the cached program.
 
     The text is padded on the right to `uncached_bucket` tokens; a causal model's logits
@@ -56,6 +59,8 @@ def generate_uncached(model, request: Request) -> tuple[np.ndarray, np.ndarray, 
             padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
             padded[:pos] = text
             logits = _last_logits(model, jnp.asarray(padded), jnp.asarray(pos - 1, jnp.int32))
+            if check_finite and not np.isfinite(np.asarray(logits)).all():
+                raise FloatingPointError(NON_FINITE)
             tok, lp = _sample(logits, keys[r], np.asarray(pos, np.int32), request.sampling)
             text.append(int(tok))
             tokens[r, pos], logprobs[r, pos] = int(tok), float(lp)
