@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from _bounds import weight_matrices
 from _timing import time_call
 
 
@@ -30,10 +31,7 @@ def profile_step(model, hf_model, prompt_len: int, n: int) -> dict:
     pos = jnp.asarray(prompt_len + n // 2, jnp.int32)
     ours = time_call(lambda: step(model, token, cache, pos), repeats=50, warmup=2)
 
-    blocks = model.blocks
-    stacked = [blocks.attn.wqkv, blocks.attn.wo, blocks.mlp.w_gate_up, blocks.mlp.w_down]
-    head = model.embed.T if model.head is None else model.head
-    matrices = [w[b] for w in stacked for b in range(w.shape[0])] + [head]
+    matrices = weight_matrices(model)
     nbytes = sum(int(w.size) * w.dtype.itemsize for w in matrices)
 
     @jax.jit

@@ -19,7 +19,7 @@ import numpy as np
 
 import eqrope
 import eqrope.testing
-from _timing import compile_seconds, log
+from _timing import compile_seconds, compiled_functions, log
 
 
 # The decode position of the step measurements (clamped to max_len - 1 in --tiny).
@@ -40,9 +40,13 @@ def fresh_cache(model, batch=None):
 
 
 def memory_record(name: str, model, batch=None, dtype=None) -> dict:
-    """Cache bytes from `eqrope.cache_nbytes` and from the arrays of `model.init_cache`."""
+    """Cache bytes from `eqrope.cache_nbytes` and from the arrays of `model.init_cache`:
+    the rows and their scales (`arrays_nbytes`), and any other array the cache holds,
+    such as a count of the rows filled (`other_nbytes`)."""
     cache = model.init_cache(batch, dtype=dtype)
-    arrays = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(cache))  # every array it holds
+    rows = [cache.keys, cache.values, cache.key_scales, cache.value_scales]
+    arrays = sum(int(a.nbytes) for a in rows if a is not None)
+    every = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(cache))
     formula = eqrope.cache_nbytes(model, batch=1 if batch is None else batch, dtype=dtype)
     del cache
     config = model.config
@@ -57,6 +61,7 @@ def memory_record(name: str, model, batch=None, dtype=None) -> dict:
         "itemsize": jnp.dtype(config.dtype).itemsize,
         "formula_nbytes": formula,
         "arrays_nbytes": arrays,
+        "other_nbytes": every - arrays,
         "weights_nbytes": weight_nbytes(model),
     }
 
@@ -139,7 +144,7 @@ def step_cost(cfg: dict, growth) -> tuple[dict, dict]:
         config = dataclasses.replace(cfg["growth"], max_len=max_len)
         model = (growth if max_len == growth.max_len
                  else eqrope.RotaryDecoder.from_config(config, key=jax.random.PRNGKey(0)))
-        before = compile_seconds()
+        before, compiled = compile_seconds(), len(compiled_functions())
         step, hlo = make_step(model)
         after = compile_seconds()
         steps[max_len] = (model, step)
@@ -152,7 +157,8 @@ def step_cost(cfg: dict, growth) -> tuple[dict, dict]:
 
         calls[max_len] = call
         out[str(max_len)] = {"pos": int(pos), "cache_nbytes": eqrope.cache_nbytes(model),
-                             "first_compile": {k: after[k] - before[k] for k in after}}
+                             "first_compile": {k: after[k] - before[k] for k in after},
+                             "first_compiles": len(compiled_functions()) - compiled}
         if max_len == max(cfg["step_max_lens"]):
             ops = full_cache_ops(hlo, max_len)
             copies = [op for op in ops if not op["in_place_update"]]

@@ -31,12 +31,16 @@ _COMPILE_EVENTS = {
     "/jax/core/compile/backend_compile_duration": "compile_s",
 }
 _compile_seconds = dict.fromkeys(_COMPILE_EVENTS.values(), 0.0)
+# The functions XLA has compiled in this process, in order (one entry per compile).
+_compiled: list[str] = []
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
     stage = _COMPILE_EVENTS.get(event)
     if stage is not None:
         _compile_seconds[stage] += duration
+    if stage == "compile_s":
+        _compiled.append(str(kwargs.get("fun_name")))
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -68,6 +72,12 @@ def log(message: str) -> None:
 def compile_seconds() -> dict:
     """Cumulative seconds spent tracing, lowering to MLIR and XLA-compiling so far."""
     return dict(_compile_seconds)
+
+
+def compiled_functions() -> list[str]:
+    """The name of every function XLA has compiled so far in this process, in order
+    (`jax.monitoring`'s `/jax/core/compile/backend_compile_duration` events)."""
+    return list(_compiled)
 
 
 def _version(package: str) -> str | None:
@@ -142,38 +152,52 @@ def time_call(fn, *, repeats: int, warmup: int = 1) -> dict:
     (for a program compiled beforehand) the first call is also the first repeat.
 
     **Returns:** a dict with `first_s`, `first_compile` (seconds of that first call spent
-    tracing, lowering and compiling, from `jax.monitoring`), `median_s`, `min_s`, `max_s`,
-    `times_s` (the repeats), `repeats`, `warmup`, and `result` (the last call's result, for
-    checks; drop it before writing JSON).
+    tracing, lowering and compiling, from `jax.monitoring`), `first_compiles` (the number
+    of XLA compiles in it), `median_s`, `min_s`, `max_s`, `times_s` (the repeats),
+    `repeats`, `warmup`, and `result` (the last call's result, for checks; drop it before
+    writing JSON).
+    """
+    return time_calls({"call": fn}, repeats=repeats, warmup=warmup)["call"]
+
+
+def time_calls(fns: dict, *, repeats: int, warmup: int = 1) -> dict:
+    """`time_call` for several functions at once, their calls interleaved round by round,
+    so that load from other processes falls on all of them alike (compare ratios of
+    functions timed in one `time_calls`).
+
+    **Returns:** `{name: record}`, each record as `time_call` returns it.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}.")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}.")
-    before = compile_seconds()
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    after = compile_seconds()
-    first_compile = {stage: after[stage] - before[stage] for stage in after}
-    for _ in range(warmup - 1):
-        result = jax.block_until_ready(fn())
-    times = [] if warmup else [first]
-    for _ in range(repeats if warmup else repeats - 1):
+    out = {}
+    for name, fn in fns.items():
+        before, compiles = compile_seconds(), len(_compiled)
         start = time.perf_counter()
         result = jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return {
-        "first_s": first,
-        "first_compile": first_compile,
-        "median_s": statistics.median(times),
-        "min_s": min(times),
-        "max_s": max(times),
-        "times_s": times,
-        "repeats": repeats,
-        "warmup": warmup,
-        "result": result,
-    }
+        first = time.perf_counter() - start
+        after = compile_seconds()
+        out[name] = {
+            "first_s": first,
+            "first_compile": {stage: after[stage] - before[stage] for stage in after},
+            "first_compiles": len(_compiled) - compiles,
+            "times_s": [] if warmup else [first],
+            "result": result,
+        }
+    for _ in range(warmup - 1):
+        for name, fn in fns.items():
+            out[name]["result"] = jax.block_until_ready(fn())
+    for _ in range(repeats if warmup else repeats - 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            out[name]["result"] = jax.block_until_ready(fn())
+            out[name]["times_s"].append(time.perf_counter() - start)
+    for record in out.values():
+        times = record["times_s"]
+        record.update(median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+                      repeats=repeats, warmup=warmup)
+    return out
 
 
 def without_result(timing: dict) -> dict:

@@ -1,28 +1,41 @@
-"""What the KV cache buys, and how close a decode step gets to this machine's memory bandwidth.
+"""What the KV cache buys, what bounds a decode step, and how far eqrope is from the floor.
 
-    python bench/kv_cache.py            # --quick, the default: under two minutes on 2 cores
-    python bench/kv_cache.py --full     # more repeats and sizes (several minutes)
+    python bench/kv_cache.py            # --quick, the default: a few minutes on 2 cores
+    python bench/kv_cache.py --full     # more repeats and sizes
     python bench/kv_cache.py --tiny --out /tmp/x   # tiny sizes, 1 repeat (for the tests)
     python bench/kv_cache.py --save     # update the committed bench/results/
 
 Writes `kv_cache_cpu.json` and PNG figures to `--out` (default `bench/results/latest/`,
 ignored by git, so a run leaves the checkout clean; `--save` writes to the committed
-`bench/results/` instead) and prints a short table. The sections follow issue 4:
+`bench/results/` instead) and prints a short table. The sections, in the order they run:
 
 1. the seed's protocol (model (65, 64, 4, 2, 256), key 0, prompt 0..7, 100 new tokens,
    greedy; one warm-up then 5 timed repeats per path), with the seed's JSON keys
    `cache.median_s`, `no_cache.median_s` and `speedup_median`;
-2. the textbook chapter's growth protocol (section 2.6, Figure 2.3): seconds to generate
+2. first call (`first_call`): where the seed protocol's first call goes (trace, lower,
+   XLA compile, run), and the XLA compiles of new prompt lengths and `max_new` within
+   one cache length, with their time beside a repeat call;
+3. the floor (`floor`): a minimal JAX decoder of the same architecture and arrays
+   (`_floor.py`), timed beside `eqrope.generate` on the seed protocol; equal tokens;
+4. long `max_len` (`long_max_len`): 10 tokens on the seed's sizes built for 131072
+   positions against 256, and the peak RSS growth of such a call on a model whose full
+   cache is 1 GiB, in a fresh process;
+5. the textbook chapter's growth protocol (section 2.6, Figure 2.3): seconds to generate
    N tokens from a 4-token prompt, with and without the cache;
-3. time to first token: one-pass `model.prefill` against feeding the prompt token by token;
-4. tokens/s for a batch of prompts;
-5. bytes of the cache, from `eqrope.cache_nbytes` and from the arrays;
-6. time of one decode step at position 100 as `max_len` grows;
-7. the roofline: the bytes a batch-1 decode step must read over its time, beside this
-   machine's measured copy bandwidth.
+6. time of one isolated decode step at position 100 as `max_len` grows;
+7. time to first token: one-pass `model.prefill` against feeding the prompt token by token;
+8. tokens/s for a batch of prompts;
+9. what bounds a step, inside `generate`: batch 1 (N=512) bytes/s against an XLA pass
+   over the step's working set and over 256 MiB (`roofline_in_generate`), and batch 32
+   FLOP/s against XLA's matmuls at the step's shapes (`batch_matmul`);
+10. bytes of the cache, from `eqrope.cache_nbytes` and from the arrays, and the isolated
+    step's roofline (section 6's step over a numpy copy's bandwidth);
+11. compile time against depth: the first call with 2 and with 24 blocks.
 
-Sections 1 to 4 are in `_protocols.py`, 5 to 7 in `_roofline.py`, the table, targets and
-figures in `_report.py`. Targets are reported (target, measured, met), never asserted.
+Sections 1, 5, 7 and 8 are in `_protocols.py`, 2 and 11 in `_first_call.py`, 3 in
+`_floor.py`, 4 in `_long_cache.py`, 6 and 10 in `_roofline.py`, 9 in `_bounds.py`; the
+table, targets and figures in `_report.py`. Targets are reported (target, measured,
+met), never asserted.
 """
 
 import argparse
@@ -31,6 +44,10 @@ import time
 import jax
 
 import eqrope
+from _bounds import batch_matmul, roofline_in_generate
+from _first_call import depth_record, first_call_breakdown, new_lengths
+from _floor import floor_protocol
+from _long_cache import long_max_len_time, peak_memory
 from _protocols import SEED_MODEL, batch_protocol, growth_protocol, prefill_protocol, seed_protocol
 from _report import plot, table, targets
 from _roofline import cache_memory, copy_bandwidth, roofline, step_cost
@@ -52,6 +69,10 @@ MODES = {
         batches=(1, 8, 32), batch_new=128, batch_repeats=1,
         step_max_lens=(256, 1024, 4096, 8192), step_calls=50,
         copy_mb=256, copy_repeats=5,
+        floor_repeats=20, long_max_len=131072, long_new=10, long_repeats=10,
+        memory_max_len=2**20, memory_warm_ups=(256, 512), copy_call_bytes=2**30,
+        bound_repeats=3, bound_batch=32,
+        depths=(2, 24),
     ),
     "full": dict(
         seed_new=100, seed_repeats=5,
@@ -62,6 +83,10 @@ MODES = {
         batches=(1, 8, 32, 128), batch_new=128, batch_repeats=3,
         step_max_lens=(256, 1024, 4096, 8192), step_calls=300,
         copy_mb=256, copy_repeats=10,
+        floor_repeats=50, long_max_len=131072, long_new=10, long_repeats=20,
+        memory_max_len=2**20, memory_warm_ups=(256, 512), copy_call_bytes=2**30,
+        bound_repeats=5, bound_batch=32,
+        depths=(2, 24),
     ),
     "tiny": dict(
         # The seed's model stands in for the growth model, so that the compiled programs
@@ -74,6 +99,13 @@ MODES = {
         batches=(1, 2), batch_new=4, batch_repeats=1,
         step_max_lens=(256, 384), step_calls=3,
         copy_mb=8, copy_repeats=1,
+        # A 4096-row model for the long case, with 8 new tokens so that the 256-row model
+        # reuses the seed section's program; a 64 MiB cache and one warm-up for the
+        # memory subprocess.
+        floor_repeats=1, long_max_len=4096, long_new=8, long_repeats=1,
+        memory_max_len=2**16, memory_warm_ups=(256,), copy_call_bytes=2**24,
+        bound_repeats=1, bound_batch=2,
+        depths=(2, 3),
     ),
 }
 
@@ -82,7 +114,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="mode", const="quick",
-                      help="the default: under two minutes on a 2-core CPU")
+                      help="the default: a few minutes on a 2-core CPU")
     size.add_argument("--full", action="store_const", dest="mode", const="full",
                       help="more repeats, N=512 without the cache, batch 128")
     size.add_argument("--tiny", action="store_const", dest="mode", const="tiny",
@@ -111,6 +143,16 @@ def main(argv=None) -> dict:
 
     section("seed protocol")
     result.update(seed_protocol(cfg))
+    section("first call and new lengths")
+    seed_model = eqrope.RotaryDecoder.from_config(SEED_MODEL, key=jax.random.PRNGKey(0))
+    result["first_call"] = {"breakdown": first_call_breakdown(result["cache"]),
+                            "new_lengths": new_lengths(cfg, seed_model)}
+    section("floor")
+    result["floor"] = floor_protocol(cfg, seed_model)
+    section("long max_len")
+    result["long_max_len"] = long_max_len_time(cfg)
+    result["long_max_len"]["peak_memory"] = peak_memory(cfg["memory_max_len"], cfg["long_new"],
+                                                        cfg["memory_warm_ups"])
     section("growth protocol")
     growth_model = eqrope.RotaryDecoder.from_config(cfg["growth"], key=jax.random.PRNGKey(0))
     result["growth"] = growth_protocol(cfg, growth_model)
@@ -120,12 +162,16 @@ def main(argv=None) -> dict:
     result["prefill"] = prefill_protocol(cfg, growth_model, steps[growth_model.max_len][1])
     section("batch")
     result["batch"] = batch_protocol(cfg, growth_model)
+    section("what bounds a step")
+    result["roofline_in_generate"] = roofline_in_generate(cfg, growth_model)
+    result["batch_matmul"] = batch_matmul(cfg, growth_model)
     section("roofline and memory")
     copy = copy_bandwidth(cfg["copy_mb"] * 2**20, cfg["copy_repeats"])
     step = result["step_vs_max_len"]["by_max_len"][str(growth_model.max_len)]
     result["roofline"] = roofline(growth_model, step, copy, result["growth"])
-    seed_model = eqrope.RotaryDecoder.from_config(SEED_MODEL, key=jax.random.PRNGKey(0))
     result["cache_memory"] = cache_memory(seed_model, growth_model, steps, cfg["batches"])
+    section("compile against depth")
+    result["first_call"]["depth"] = depth_record(cfg, SEED_MODEL)
 
     section(None)
     result["section_wall_s"] = sections

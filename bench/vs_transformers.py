@@ -16,14 +16,20 @@ initialised) is exported with `eqrope.to_hf_llama` and loaded with
 
 Contenders, all greedy, batch of one:
 
-- `eqrope`: `eqrope.generate` (the cached path: one compiled program, prefill then a
-  `lax.scan` of decode steps; `max_new` is traced, so one compile serves every N);
+- `eqrope`: `eqrope.generate` with default arguments (the cached path: one compiled
+  program, prefill then a loop of decode steps that stops after the last token; the
+  cache has the smallest power of two of rows holding prompt and N, so the program
+  compiles once per such length, and `max_new` is traced);
 - `hf_default`: `model.generate(ids, max_new_tokens=N, do_sample=False)` (dynamic cache);
 - `hf_static`: the same with `cache_implementation="static"` (on CPU transformers does not
   auto-compile, so this is eager PyTorch with a preallocated cache);
-- `hf_default_1thread`: `hf_default` with `torch.set_num_threads(1)` for the call, a
-  diagnostic: on a machine shared with other work, torch's OpenMP threads wait on each
-  other and its multi-threaded times grow many-fold; one thread shows by how much.
+- `hf_default_1thread`: `hf_default` with `torch.set_num_threads(1)` for the call: on a
+  machine shared with other work, torch's OpenMP threads wait on each other and its
+  multi-threaded times grow many-fold; one thread shows by how much.
+
+The targets (eqrope >= 20x transformers on the seed protocol, >= 4x on the chapter shape
+at N=512) compare eqrope with transformers' better of `hf_default` and
+`hf_default_1thread`, both measured in the same run (`hf_best`, `speedup_vs_hf_best`).
 
 Cases: the seed's protocol (model (65, 64, 4, 2, 256), prompt of 8, 100 new tokens,
 1 warm-up + 5 repeats) and the textbook chapter's timing shape (vocab 256, width 256,
@@ -82,6 +88,9 @@ MODES = {
 }
 CONTENDERS = ("eqrope", "hf_default", "hf_static", "hf_default_1thread")
 HF_CONTENDERS = CONTENDERS[1:]
+# The targets compare with the faster of these two: transformers' default generate on all
+# torch threads and on one thread.
+BEST_OF = ("hf_default", "hf_default_1thread")
 
 
 def build_pair(sizes: dict, directory: pathlib.Path):
@@ -150,7 +159,19 @@ def measure(model, hf_model, prompt: np.ndarray, n: int, repeats: int) -> dict:
     row["all_full_length"] = all(v.shape[0] == expected_len for v in tokens.values())
     for k in HF_CONTENDERS:
         row[f"speedup_vs_{k}"] = row[k]["median_s"] / row["eqrope"]["median_s"]
+    # transformers at its better torch thread count, measured in this same run.
+    best = min(BEST_OF, key=lambda k: row[k]["median_s"])
+    row["hf_best"] = {"contender": best, "median_s": row[best]["median_s"]}
+    row["speedup_vs_hf_best"] = row[best]["median_s"] / row["eqrope"]["median_s"]
     return row
+
+
+def target(name: str, row: dict, goal: float) -> dict:
+    """eqrope against transformers' better of one torch thread and all threads."""
+    measured = row["speedup_vs_hf_best"]
+    return {"target": f"{name}: eqrope >= {goal:g}x transformers (better of 1 and all "
+                      f"threads: {row['hf_best']['contender']})",
+            "goal": goal, "measured": measured, "met": measured >= goal}
 
 
 def run_case(name: str, sizes: dict, prompt_len: int, ns, repeats: int, workdir: pathlib.Path,
@@ -188,7 +209,7 @@ def print_table(result: dict) -> None:
                       f"{t['median_s']:10.4f} {t['min_s']:7.4f}-{t['max_s']:<7.4f} | "
                       f"{speed:>7} | {same}")
     print("speedup = transformers median / eqrope median (eqrope's first call includes its "
-          "compile; later N reuse the program)")
+          "compile, once per cache length)")
     for t in result["targets"]:
         verdict = "met" if t["met"] else "NOT met"
         print(f"target: {t['target']}: measured {t['measured']:.1f}x -> {verdict}")
@@ -243,17 +264,12 @@ def main(argv=None) -> dict:
     if args.only in (None, "seed"):
         cases.append(run_case("seed", cfg["seed"], cfg["seed_prompt"], (cfg["seed_new"],),
                               cfg["seed_repeats"], workdir, args.profile))
-        speedup = cases[-1]["rows"][0]["speedup_vs_hf_default"]
-        targets.append({"target": "seed protocol: eqrope >= 10x transformers default",
-                        "measured": speedup, "met": speedup >= 10})
+        targets.append(target("seed protocol", cases[-1]["rows"][0], 20))
     if args.only in (None, "chapter"):
         cases.append(run_case("chapter", cfg["chapter"], cfg["chapter_prompt"], cfg["chapter_n"],
                               cfg["chapter_repeats"], workdir, args.profile))
         last = cases[-1]["rows"][-1]
-        targets.append({"target": f"chapter shape N={last['new_tokens']}: eqrope >= 1.5x "
-                                  "transformers default",
-                        "measured": last["speedup_vs_hf_default"],
-                        "met": last["speedup_vs_hf_default"] >= 1.5})
+        targets.append(target(f"chapter shape N={last['new_tokens']}", last, 4))
     result = {
         "mode": mode,
         "machine": machine,

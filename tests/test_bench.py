@@ -47,7 +47,8 @@ def close(a, b):
 
 
 def check_timing(t, repeats=None):
-    assert set(t) >= {"first_s", "first_compile", "median_s", "min_s", "max_s", "times_s"}
+    assert set(t) >= {"first_s", "first_compile", "first_compiles", "median_s", "min_s", "max_s",
+                      "times_s"}
     if repeats is not None:
         assert len(t["times_s"]) == repeats == t["repeats"]
     assert close(t["median_s"], statistics.median(t["times_s"]))
@@ -115,6 +116,7 @@ def test_cache_memory_by_hand(run):
     assert names[:3] == ["seed", "growth", "growth, int8 cache"]
     for r in memory["configurations"]:
         assert r["formula_nbytes"] == r["arrays_nbytes"]
+        assert 0 <= r["other_nbytes"] <= 8 * r["batch"]  # at most a counter per row
         rows = 2 * r["batch"] * r["blocks"] * r["max_len"] * r["kv_heads"]
         if r["cache_dtype"] == "int8":  # one byte per element and a float32 scale per row
             assert r["arrays_nbytes"] == rows * (r["head_dim"] + 4)
@@ -169,19 +171,148 @@ def test_targets_and_outputs(run):
                 "backend", "cpu_caches"):
         assert machine[key] not in (None, "")
     ops = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b}
-    assert len(data["targets"]) == 6
+    assert len(data["targets"]) == 12
     for t in data["targets"]:
         op, bound = t["target"].split()
         if t["measured"] is None:
             assert t["met"] is None
         else:
             assert t["met"] is ops[op](t["measured"], float(bound))
-    assert data["targets"][0]["measured"] == data["speedup_median"]
+    measured = [t["measured"] for t in data["targets"]]
+    assert measured[0] == data["speedup_median"]
+    assert measured[5] == data["roofline"]["fraction"]
+    assert measured[6:] == [
+        data["floor"]["ratio_median"],
+        data["long_max_len"]["ratio_median"],
+        data["long_max_len"]["peak_memory"]["growth_nbytes"] / 2**20,
+        data["roofline_in_generate"]["fraction_of_working_set_copy"],
+        data["batch_matmul"]["fraction_of_matmul"],
+        data["first_call"]["new_lengths"]["compiles"],
+    ]
+    budget = data["long_max_len"]["peak_memory"]["cache_nbytes"] / 4 / 2**20
+    assert data["targets"][8]["target"] == f"<= {budget:g}"
     for path in data["figures"]:
         assert pathlib.Path(path).parent == out
         assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "seed protocol" in stdout and "targets:" in stdout
     assert sum(data["section_wall_s"].values()) <= data["wall_s"] + 1e-6
+
+
+def test_floor(run):
+    _, data, _ = run
+    f = data["floor"]
+    for key in ("eqrope", "floor"):
+        check_timing(f[key], repeats=data["sizes"]["floor_repeats"])
+    assert f["tokens_equal"] is True
+    assert close(f["ratio_median"], f["eqrope"]["median_s"] / f["floor"]["median_s"])
+    assert f["max_new"] == data["seed"]["max_new"]
+    # The smallest power of two (at least 16) holding the prompt of 8 and the new tokens.
+    length = max(16, 8 + f["max_new"])
+    assert f["floor_cache_len"] == min(1 << (length - 1).bit_length(), 256)
+
+
+def test_first_call(run):
+    _, data, _ = run
+    fc = data["first_call"]
+    b = fc["breakdown"]
+    assert b["first_s"] == data["cache"]["first_s"] and b["compiles"] >= 1
+    assert close(b["first_s"], b["trace_s"] + b["lower_s"] + b["compile_s"] + b["run_and_python_s"])
+    nl = fc["new_lengths"]
+    assert nl["compiles"] == sum(c["compiles"] for c in nl["calls"])
+    for c in nl["calls"]:
+        assert c["default_cache_len"] == nl["cache_len"]
+        assert c["tokens_len"] == c["prompt_len"] + c["max_new"]
+        assert len(c["compiled"]) == c["compiles"]
+        assert close(c["ratio"], c["new_call_s"] / c["repeat_call_s"])
+    assert nl["new_call_s_max"] == max(c["new_call_s"] for c in nl["calls"])
+    d = fc["depth"]
+    assert [r["n_blocks"] for r in d["rows"]] == data["sizes"]["depths"]
+    for r in d["rows"]:
+        check_timing(r, repeats=1)
+    assert close(d["first_call_ratio"], d["rows"][-1]["first_s"] / d["rows"][0]["first_s"])
+
+
+def test_long_max_len(run):
+    _, data, _ = run
+    lo = data["long_max_len"]
+    assert lo["max_lens"] == {"short": 256, "long": data["sizes"]["long_max_len"]}
+    for key in ("short", "long"):
+        check_timing(lo[key], repeats=data["sizes"]["long_repeats"])
+    assert close(lo["ratio_median"], lo["long"]["median_s"] / lo["short"]["median_s"])
+    assert lo["identical_tokens"] is True
+    # The seed's sizes: 2 (keys, values) x 2 blocks x 4 heads x 16 dims x 4 bytes per row.
+    assert lo["cache_nbytes_model_max_len"] == {k: 1024 * v for k, v in lo["max_lens"].items()}
+    mem = lo["peak_memory"]
+    assert mem["cache_nbytes"] == 1024 * data["sizes"]["memory_max_len"]
+    assert mem["growth_nbytes"] == mem["maxrss_after_nbytes"] - mem["maxrss_before_nbytes"]
+    assert mem["tokens_len"] == mem["prompt_len"] + mem["max_new"]
+
+
+def test_what_bounds_a_step(run):
+    _, data, _ = run
+    ro = data["roofline_in_generate"]
+    check_timing(ro["generate"], repeats=data["sizes"]["bound_repeats"])
+    assert ro["new_tokens"] == max(data["growth"]["n"])
+    assert ro["weights_nbytes"] == data["roofline"]["weights_nbytes"]
+    assert ro["cache_row_nbytes"] == data["roofline"]["cache_row_nbytes"]
+    assert ro["mean_rows_read"] == ro["prompt_len"] + ro["new_tokens"] / 2
+    assert ro["bytes_per_token"] == ro["weights_nbytes"] + ro["mean_rows_read"] * ro["cache_row_nbytes"]
+    assert close(ro["tokens_per_s"], ro["new_tokens"] / ro["generate"]["median_s"])
+    assert close(ro["achieved_bytes_per_s"], ro["tokens_per_s"] * ro["bytes_per_token"])
+    for key, nbytes in (("copy_working_set", ro["bytes_per_token"]),
+                        ("copy_dram", data["sizes"]["copy_mb"] * 2**20)):
+        copy = ro[key]
+        check_timing(copy, repeats=data["sizes"]["bound_repeats"])
+        assert abs(copy["buffer_nbytes"] - nbytes) < 4
+        assert close(copy["bytes_per_s"], 2 * copy["buffer_nbytes"] * copy["passes"] / copy["median_s"])
+    assert close(ro["fraction_of_working_set_copy"],
+                 ro["achieved_bytes_per_s"] / ro["copy_working_set"]["bytes_per_s"])
+    assert close(ro["fraction_of_dram_copy"], ro["achieved_bytes_per_s"] / ro["copy_dram"]["bytes_per_s"])
+
+    bm = data["batch_matmul"]
+    tiny = data["sizes"]["growth"]
+    d, ff, blocks = tiny["d_model"], tiny["d_ff"] or 4 * tiny["d_model"], tiny["n_blocks"]
+    assert bm["matmul_params"] == blocks * (d * 3 * d + d * d + d * 2 * ff + ff * d) + d * tiny["vocab_size"]
+    assert bm["matmul_params"] == sum(k * n for _, k, n in bm["shapes"])
+    assert all(m == bm["batch"] == data["sizes"]["bound_batch"] for m, _, _ in bm["shapes"])
+    for key in ("generate", "matmul"):
+        check_timing(bm[key], repeats=data["sizes"]["bound_repeats"])
+    assert close(bm["tokens_per_s"], bm["batch"] * bm["new_per_row"] / bm["generate"]["median_s"])
+    assert close(bm["decode_flops_per_s"], 2 * bm["matmul_params"] * bm["tokens_per_s"])
+    assert close(bm["matmul_flops_per_s"], 2 * bm["batch"] * bm["matmul_params"] / bm["matmul"]["median_s"])
+    assert close(bm["fraction_of_matmul"], bm["decode_flops_per_s"] / bm["matmul_flops_per_s"])
+
+
+def test_floor_matches_eqrope_with_gqa_and_a_head_bias(monkeypatch):
+    """The floor reads eqrope's arrays: grouped key/value heads, a non-zero head bias."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    floor = load("_floor")
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqrope
+
+    model = eqrope.RotaryDecoder(97, 64, 4, 3, 64, n_kv_heads=2, rope_base=500.0, norm_eps=1e-6,
+                                 key=jax.random.PRNGKey(1))
+    bias = jax.random.normal(jax.random.PRNGKey(2), model.head_bias.shape)
+    model = eqx.tree_at(lambda m: m.head_bias, model, bias)
+    prompt = jnp.arange(5, dtype=jnp.int32)
+    weights, sizes = floor.floor_weights(model)
+    ours = floor.floor_generate(weights, prompt, s=sizes, max_new=40, cache_len=64)
+    assert np.array_equal(np.asarray(ours), np.asarray(eqrope.generate(model, prompt, 40)))
+
+
+def test_time_calls_interleaves(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    timing = load("_timing")
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name) or len(calls)) for name in "ab"}
+    t = timing.time_calls(fns, repeats=2, warmup=1)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert t["a"]["result"] == 5 and t["b"]["result"] == 6
+    assert all(len(r["times_s"]) == 2 and r["first_compiles"] == 0 for r in t.values())
 
 
 def test_time_call_counts_calls():

@@ -1,0 +1,133 @@
+"""The floor: the least code that decodes eqrope's model, timed beside `eqrope.generate`.
+
+A minimal JAX decoder of `RotaryDecoder`'s architecture (embedding; pre-norm blocks of
+RMSNorm, causal attention with RoPE on interleaved pairs of q and k, residual, RMSNorm,
+SwiGLU, residual; final RMSNorm; head with bias), as gpt-fast writes one: a single
+`jax.jit`, full-cache masked attention over a static cache, a prefill and then a
+`lax.scan` of greedy steps, no checks. It reads eqrope's arrays, so its greedy tokens
+must equal eqrope's; what eqrope costs above it is the price of its generality.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqrope
+from _timing import log, time_calls, without_result
+
+
+class Sizes(NamedTuple):  # static: hashable
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    norm_eps: float
+
+
+def floor_weights(model) -> tuple[dict, Sizes]:
+    """eqrope's arrays, by the floor's names, and the sizes the floor needs."""
+    blocks, c = model.blocks, model.config
+    w = dict(embed=model.embed, wqkv=blocks.attn.wqkv, wo=blocks.attn.wo,
+             w_gate_up=blocks.mlp.w_gate_up, w_down=blocks.mlp.w_down,
+             attn_norm=blocks.attn_norm.weight, mlp_norm=blocks.mlp_norm.weight,
+             final_norm=model.final_norm.weight, head=model.head, head_bias=model.head_bias)
+    return w, Sizes(c.n_heads, c.n_kv_heads, c.head_dim, c.rope_base, c.norm_eps)
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * weight).astype(x.dtype)
+
+
+def rope(x, positions, inv_freq):  # x: (seq, heads, head_dim); pairs (2i, 2i + 1)
+    angles = positions.astype(jnp.float32)[:, None, None] * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return jnp.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).reshape(x.shape)
+
+
+def forward(w, s: Sizes, ids, pos, cache):
+    """Logits of `ids` at positions `pos, pos + 1, ...`; writes their keys and values."""
+    seq, hd, kv, group = ids.shape[0], s.head_dim, s.n_kv_heads, s.n_heads // s.n_kv_heads
+    positions = pos + jnp.arange(seq)
+    inv_freq = jnp.asarray(1.0 / np.float32(s.rope_base) ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    visible = jnp.arange(cache[0].shape[2])[None, :] <= positions[:, None]
+
+    def block(carry, layer):
+        x, keys, values = carry
+        i, wqkv, wo, w_gate_up, w_down, attn_norm, mlp_norm = layer
+        q, k, v = jnp.split(rms_norm(x, attn_norm, s.norm_eps) @ wqkv, [s.n_heads * hd, (s.n_heads + kv) * hd], -1)
+        q = rope(q.reshape(seq, s.n_heads, hd), positions, inv_freq).reshape(seq, kv, group, hd)
+        k = rope(k.reshape(seq, kv, hd), positions, inv_freq).transpose(1, 0, 2)
+        keys = jax.lax.dynamic_update_slice(keys, k[None], (i, 0, pos, 0))
+        values = jax.lax.dynamic_update_slice(values, v.reshape(seq, kv, hd).transpose(1, 0, 2)[None], (i, 0, pos, 0))
+        scores = jnp.einsum("skgd,ktd->kgst", q, keys[i], preferred_element_type=jnp.float32) / math.sqrt(hd)
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("kgst,ktd->skgd", p.astype(x.dtype), values[i]).reshape(seq, -1)
+        x = x + attn @ wo
+        gate, up = jnp.split(rms_norm(x, mlp_norm, s.norm_eps) @ w_gate_up, 2, -1)
+        return (x + (jax.nn.silu(gate) * up) @ w_down, keys, values), None
+
+    layers = (jnp.arange(w["wqkv"].shape[0]), w["wqkv"], w["wo"], w["w_gate_up"], w["w_down"],
+              w["attn_norm"], w["mlp_norm"])
+    (x, *cache), _ = jax.lax.scan(block, (w["embed"][ids], *cache), layers)
+    return rms_norm(x, w["final_norm"], s.norm_eps) @ w["head"] + w["head_bias"], cache
+
+
+@functools.partial(jax.jit, static_argnames=("s", "max_new", "cache_len"))
+def floor_generate(w, prompt, *, s: Sizes, max_new: int, cache_len: int):
+    """Greedy: the prompt in one pass, then `max_new - 1` steps in a `lax.scan`."""
+    shape = (w["wqkv"].shape[0], s.n_kv_heads, cache_len, s.head_dim)
+    cache = [jnp.zeros(shape, w["embed"].dtype)] * 2
+    logits, cache = forward(w, s, prompt, 0, cache)
+    first = jnp.argmax(logits[-1]).astype(prompt.dtype)
+
+    def step(carry, _):
+        token, pos, cache = carry
+        logits, cache = forward(w, s, token[None], pos, cache)
+        token = jnp.argmax(logits[0]).astype(prompt.dtype)
+        return (token, pos + 1, cache), token
+
+    _, rest = jax.lax.scan(step, (first, prompt.shape[0], cache), None, length=max_new - 1)
+    return jnp.concatenate([prompt, first[None], rest])
+
+
+def default_cache_len(seq: int, max_new: int, model_max_len: int) -> int:
+    """What `eqrope.generate` picks by default: the smallest power of two (at least 16)
+    holding the prompt and the new tokens, capped at the model's `max_len`."""
+    return min(1 << (max(16, seq + max_new) - 1).bit_length(), model_max_len)
+
+
+def floor_protocol(cfg: dict, model) -> dict:
+    """The seed protocol on the floor and on `eqrope.generate`, calls interleaved."""
+    prompt = jnp.arange(8, dtype=jnp.int32)
+    new = cfg["seed_new"]
+    w, s = floor_weights(model)
+    cache_len = default_cache_len(8, new, model.max_len)
+    fns = {"eqrope": lambda: eqrope.generate(model, prompt, new),
+           "floor": lambda: floor_generate(w, prompt, s=s, max_new=new, cache_len=cache_len)}
+    t = time_calls(fns, repeats=cfg["floor_repeats"])
+    tokens = {k: np.asarray(v["result"]) for k, v in t.items()}
+    ratio = t["eqrope"]["median_s"] / t["floor"]["median_s"]
+    log(f"  floor: eqrope {t['eqrope']['median_s'] * 1e3:.2f} ms, floor "
+        f"{t['floor']['median_s'] * 1e3:.2f} ms, ratio {ratio:.2f}")
+    return {
+        "eqrope": without_result(t["eqrope"]),
+        "floor": without_result(t["floor"]),
+        "ratio_median": ratio,
+        "tokens_equal": bool(np.array_equal(tokens["eqrope"], tokens["floor"])),
+        "floor_cache_len": cache_len,
+        "max_new": new,
+        "method": (
+            "the seed protocol (prompt 0..7, greedy) on bench/_floor.py's floor_generate "
+            "(one jax.jit: prefill, then a lax.scan of max_new - 1 steps; full-cache masked "
+            "attention over a static cache of floor_cache_len rows, eqrope's default cache "
+            "length for this job) and on eqrope.generate, with the same arrays; one "
+            "warm-up call each (first_s, compile included), then rounds of one timed call "
+            "each; ratio_median = eqrope median / floor median"
+        ),
+    }
