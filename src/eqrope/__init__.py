@@ -19,6 +19,8 @@ from ._sharding import (
     shard_batch as shard_batch,
     shardings as shardings,
 )
+from ._text import generate_text as generate_text
+from ._tokenizer import Tokenizer as Tokenizer
 from ._train import (
     cross_entropy as cross_entropy,
     init_optimizer as init_optimizer,
