@@ -130,6 +130,7 @@ def generate(
         tokens, logprobs, ends = generate_uncached(model, request, check_finite)
     return _finish(request, tokens, logprobs, ends, return_logprobs)
 
+
 def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
     batch, seq = request.prompt.shape
     buffer = np.zeros((batch, request.max_len), np.int32)
@@ -138,7 +139,7 @@ def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
     if mesh is not None:
         buffer, lengths = shard_batch((buffer, lengths), mesh, rules)
     # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
-    differentiable = not all(map(is_concrete, jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+    differentiable = not all(map(is_concrete, jax.tree.leaves(model)))
     return generate_cached(
         model,
         buffer,
