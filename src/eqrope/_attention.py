@@ -9,7 +9,7 @@ from ._cache import BlockCache
 from ._config import RopeScaling
 from ._init import uniform_weight
 from ._kernel import empty_state, finish, merge, merge_cache
-from ._rope import apply_rope, rope_inv_freq
+from ._rope import apply_rope, rope_attention_factor, rope_inv_freq
 
 
 class CausalSelfAttention(eqx.Module):
@@ -18,7 +18,8 @@ class CausalSelfAttention(eqx.Module):
     Queries and keys are rotated by their positions (RoFormer Eq. 15); values are not.
     `n_kv_heads < n_heads` gives grouped-query attention (`n_kv_heads = 1`: multi-query).
     The query, key and value projections are one fused matrix, so a step is one matmul.
-    Scores are scaled by `1/sqrt(head_dim)` and the softmax runs in float32.
+    Scores are scaled by `1/sqrt(head_dim)` (and by the square of YaRN's attention factor,
+    which multiplies the rotation's cosines and sines) and the softmax runs in float32.
 
     The layer never writes a cache. It takes the cached keys and values of earlier
     positions (`past`, read only) and returns the new rows' keys (already rotated) and
@@ -81,8 +82,9 @@ class CausalSelfAttention(eqx.Module):
         v = qkv[:, nq + nkv :].reshape(seq, self.n_kv_heads, hd)
         if self.rope:
             inv_freq = rope_inv_freq(hd, self.rope_base, self.rope_scaling)
-            q = apply_rope(q, positions, inv_freq)
-            k = apply_rope(k, positions, inv_freq)
+            scale = rope_attention_factor(self.rope_scaling)
+            q = apply_rope(q, positions, inv_freq, scale)
+            k = apply_rope(k, positions, inv_freq, scale)
         return q, k, v
 
     def __call__(

@@ -17,43 +17,99 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64")
 SIZES = ("vocab_size", "d_model", "n_heads", "n_blocks", "max_len")
 
 
-@dataclasses.dataclass(frozen=True)
+# The fields each kind of `RopeScaling` reads; every other field must keep its default.
+ROPE_KIND_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
+    "yarn": (
+        "factor", "original_max_len", "beta_fast", "beta_slow", "attention_factor", "truncate"
+    ),
+    "dynamic": ("factor", "original_max_len", "max_len"),
+}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class RopeScaling:
-    """Rescaling of the rotary frequencies after training.
+    """Rescaling of the rotary frequencies after training, as transformers computes it.
 
     - `kind="linear"`: every frequency is divided by `factor` (position interpolation).
     - `kind="llama3"`: the Llama 3.1 rule; long wavelengths are divided by `factor`, short
       ones kept, and a smooth ramp in between set by `low_freq_factor`, `high_freq_factor`
       and `original_max_len`.
+    - `kind="yarn"`: YaRN (Peng et al. 2023, Eqs. 17-21): frequencies that turn fewer than
+      `beta_slow` times over `original_max_len` positions are divided by `factor`, those
+      that turn more than `beta_fast` times are kept, with a linear ramp between; cosines
+      and sines are multiplied by `attention_factor` (`None`: `0.1 ln(factor) + 1`), so
+      the scores `q . k` by its square. `truncate` rounds the ramp's ends to whole
+      dimensions, as transformers does by default.
+    - `kind="dynamic"`: NTK-aware scaling with the base enlarged once, to
+      `base * (factor * max_len / original_max_len - (factor - 1)) ** (d / (d - 2))`:
+      the rates transformers' dynamic scaling uses for a sequence of exactly `max_len`
+      tokens. Set `max_len` to the model's `max_len`; `max_len == original_max_len` gives
+      the unscaled rates. docs/weights.md says where this agrees with transformers.
+
+    Each kind reads only its own fields (`ROPE_KIND_FIELDS`); another field set to a
+    value other than its default raises, as does a non-finite or non-positive number.
     """
 
-    kind: Literal["linear", "llama3"]
+    kind: Literal["linear", "llama3", "yarn", "dynamic"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    max_len: int | None = None
 
     def __post_init__(self):
-        if self.kind not in ("linear", "llama3"):
+        if self.kind not in ROPE_KIND_FIELDS:
             raise ValueError(
-                f"RopeScaling.kind must be 'linear' or 'llama3', got {self.kind!r}."
+                f"RopeScaling.kind must be one of {tuple(ROPE_KIND_FIELDS)}, got {self.kind!r}."
             )
         object.__setattr__(self, "kind", str(self.kind))
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(self, name, check_float(getattr(self, name), f"RopeScaling.{name}"))
-        value = check_int(self.original_max_len, "RopeScaling.original_max_len", minimum=1)
-        object.__setattr__(self, "original_max_len", value)
-        if not self.factor > 0:
-            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}.")
-        if self.kind == "llama3" and not self.low_freq_factor > 0:
-            raise ValueError(
-                f"RopeScaling: llama3 needs low_freq_factor > 0, got {self.low_freq_factor}."
+        numbers = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow")
+        for name in numbers + ("attention_factor",):
+            value = getattr(self, name)
+            if value is None and name == "attention_factor":
+                continue
+            value = check_float(value, f"RopeScaling.{name}")
+            if not value > 0:
+                raise ValueError(f"RopeScaling.{name} must be > 0, got {value}.")
+            object.__setattr__(self, name, value)
+        for name in ("original_max_len", "max_len"):
+            value = check_int(
+                getattr(self, name), f"RopeScaling.{name}", minimum=1, none=name == "max_len"
             )
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "truncate", check_bool(self.truncate, "RopeScaling.truncate"))
+        used = ROPE_KIND_FIELDS[self.kind]
+        for f in dataclasses.fields(self):
+            if f.name != "kind" and f.name not in used and getattr(self, f.name) != f.default:
+                raise ValueError(
+                    f"RopeScaling: kind={self.kind!r} does not use {f.name} (it reads "
+                    f"{', '.join(used)}); leave {f.name} at its default {f.default!r}."
+                )
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 "RopeScaling: llama3 needs high_freq_factor > low_freq_factor, got "
                 f"{self.high_freq_factor} <= {self.low_freq_factor}."
             )
+        if self.kind == "yarn" and not self.beta_fast > self.beta_slow:
+            raise ValueError(
+                "RopeScaling: yarn needs beta_fast > beta_slow, got "
+                f"{self.beta_fast} <= {self.beta_slow}."
+            )
+        if self.kind == "dynamic" and (self.max_len or 0) < self.original_max_len:
+            raise ValueError(
+                "RopeScaling: dynamic needs max_len (the model's max_len) >= "
+                f"original_max_len={self.original_max_len}, got {self.max_len}."
+            )
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in ROPE_KIND_FIELDS[self.kind])
+        return f"RopeScaling(kind={self.kind!r}, {shown})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +220,13 @@ class DecoderConfig:
             )
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError("rope_scaling is set but positions is not 'rope'.")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "dynamic" and scaling.max_len != self.max_len:
+            raise ValueError(
+                f"rope_scaling is dynamic with max_len={scaling.max_len}, but the model's "
+                f"max_len is {self.max_len}; the rates are fixed for the model's length, so "
+                "pass the same max_len to both."
+            )
 
     @property
     def head_dim(self) -> int:

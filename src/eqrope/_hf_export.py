@@ -17,6 +17,7 @@ from ._checkpoint import named_arrays
 from ._config import DecoderConfig
 from ._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ._hf_rope import write_rope
 from ._json import peek_json
 from ._weights import to_hf
 
@@ -64,6 +65,7 @@ def to_hf_llama(
             "bias. Pass drop_head_bias=True to write it without (the logits then differ by "
             "the bias), or train with head_bias=False."
         )
+    hf = hf_config(c)  # raises, before anything is written, for a scaling it cannot express
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"to_hf_llama: {path} is a file; pass a directory.")
@@ -81,24 +83,13 @@ def to_hf_llama(
     # The head bias, checked above, is dropped: Llama has none.
     tensors = to_hf(arrays, dataclasses.replace(c, head_bias=False))
     safetensors.numpy.save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
-    (path / CONFIG_FILE).write_text(json.dumps(hf_config(c), indent=2, sort_keys=True) + "\n")
+    (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return path
 
 
 def hf_config(c: DecoderConfig) -> dict:
     """The Hugging Face `LlamaConfig` dict of a Llama-shaped [`eqrope.DecoderConfig`][]."""
-    rope = {"rope_type": "default", "rope_theta": c.rope_base}
-    s = c.rope_scaling
-    if s is not None and s.kind == "linear":
-        rope.update(rope_type="linear", factor=s.factor)
-    elif s is not None:
-        rope.update(
-            rope_type="llama3",
-            factor=s.factor,
-            low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor,
-            original_max_position_embeddings=s.original_max_len,
-        )
+    rope = write_rope(c)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -115,7 +106,7 @@ def hf_config(c: DecoderConfig) -> dict:
         # transformers >= 5 reads `rope_parameters`; older versions `rope_theta`/`rope_scaling`.
         "rope_parameters": rope,
         "rope_theta": c.rope_base,
-        "rope_scaling": None if s is None else rope,
+        "rope_scaling": None if c.rope_scaling is None else rope,
         "tie_word_embeddings": c.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,

@@ -13,24 +13,14 @@ import safetensors
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from ._checks import check_int
 from ._checks import check_bool, check_float
-from ._config import DecoderConfig, RopeScaling
+from ._config import DecoderConfig
 from ._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ._hf_rope import read_rope, valid as _valid
 from ._json import read_json
 from ._weights import from_hf, hf_shapes
 
 
-_ROPE_KEYS = {
-    "rope_type",
-    "type",
-    "rope_theta",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-    "partial_rotary_factor",
-    "attention_factor",
-}
 # Buffers some older checkpoints carry; they are recomputed from the config.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -53,7 +43,8 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None) -> RotaryDecoder:
     Config fields that eqrope cannot honour raise a `ValueError` naming the field:
     `attention_bias` or `mlp_bias` true, a `hidden_act` other than `silu`, a `head_dim`
     other than `hidden_size / num_attention_heads`, a `rope_scaling` type other than
-    `linear` or `llama3`, partial rotary embeddings. So does a field of the wrong type or
+    `linear`, `llama3`, `yarn` or `dynamic` (or a key eqrope does not know for its type),
+    partial rotary embeddings. So does a field of the wrong type or
     range (`num_attention_heads: 0`, `hidden_size: "32"`, `rope_theta: null`), and a shard
     in the index that lies outside `path` (absolute, `..`, or a symlink out of it).
     """
@@ -132,7 +123,7 @@ def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
         )
     n_kv_heads = hf.get("num_key_value_heads")
     max_len = size("max_position_embeddings")
-    rope = _rope(hf, source, max_len)
+    rope = read_rope(hf, source, max_len)
     try:
         return DecoderConfig(
             vocab_size=size("vocab_size"),
@@ -154,76 +145,6 @@ def decoder_config(hf: dict, source: str, dtype_name: str) -> DecoderConfig:
         raise ValueError(
             f"from_hf_llama: {source} does not give a valid eqrope config: {e}"
         ) from None
-
-
-def _valid(check, value, name: str, source: str, **kwargs):
-    """`check(value, name, **kwargs)`, its error raised as a `ValueError` naming `source`."""
-    try:
-        return check(value, name, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"from_hf_llama: {source}: {e}") from None
-
-
-def _rope(hf: dict, source: str, max_len: int) -> dict:
-    """`rope_base` and `rope_scaling` for `DecoderConfig`."""
-    # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
-    # As in transformers, a non-empty `rope_scaling` wins.
-    field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(field) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise ValueError(
-            f"from_hf_llama: {source} has {field}={params!r}; eqrope supports one flat dict "
-            "(per-layer rotary parameters are not supported)."
-        )
-    unknown = sorted(set(params) - _ROPE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"from_hf_llama: {source} has {field} keys {unknown} that eqrope does not know; "
-            "refusing to ignore them."
-        )
-
-    def number(name, value):
-        return _valid(check_float, value, name, source)
-
-    kind = params.get("rope_type", params.get("type", "default"))
-    base = number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None and number("partial_rotary_factor", partial) != 1.0:
-        raise ValueError(
-            f"from_hf_llama: {source} sets partial_rotary_factor; eqrope rotates the whole head."
-        )
-    attention = params.get("attention_factor")
-    if attention is not None and number("attention_factor", attention) != 1.0:
-        raise ValueError(
-            f"from_hf_llama: {source} sets {field}.attention_factor; eqrope does not rescale "
-            "attention."
-        )
-    if kind == "default":
-        return dict(rope_base=base, rope_scaling=None)
-    if kind not in ("linear", "llama3"):
-        raise ValueError(
-            f"from_hf_llama: {source} has {field} type {kind!r}; eqrope supports 'default', "
-            "'linear' and 'llama3' rotary scaling."
-        )
-    if "factor" not in params:
-        raise ValueError(f"from_hf_llama: {source} has {field} type {kind!r} without a 'factor'.")
-    scaling = dict(kind=kind, factor=number("factor", params["factor"]))
-    if kind == "llama3":
-        for name in ("low_freq_factor", "high_freq_factor"):
-            if name not in params:
-                raise ValueError(
-                    f"from_hf_llama: {source} has {field} type 'llama3' without {name!r}."
-                )
-            scaling[name] = number(name, params[name])
-        # As transformers: a top-level original_max_position_embeddings wins, else the
-        # dict's, else max_position_embeddings.
-        name = "original_max_position_embeddings"
-        original = hf[name] if hf.get(name) is not None else params.get(name, max_len)
-        scaling["original_max_len"] = _valid(check_int, original, name, source, minimum=1)
-    try:
-        return dict(rope_base=base, rope_scaling=RopeScaling(**scaling))
-    except ValueError as e:
-        raise ValueError(f"from_hf_llama: {source} has an invalid {field}: {e}") from None
 
 
 def _check_tensors(tensors: dict, c: DecoderConfig, path: Path) -> None:
