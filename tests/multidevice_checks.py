@@ -239,7 +239,7 @@ def check_generation(out: dict) -> None:
             temperature=jnp.asarray(0.0, jnp.float32),
             top_k=jnp.asarray(SIZES["vocab_size"], jnp.int32),
             top_p=jnp.asarray(1.0, jnp.float32),
-            eos=jnp.asarray(-1, jnp.int32),
+            eos=jnp.asarray([-1], jnp.int32),
         ),
         jax.random.key(0),
     )

@@ -635,7 +635,7 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
             temperature=jnp.asarray(0.0, jnp.float32),
             top_k=i32(VOCAB),
             top_p=jnp.asarray(1.0, jnp.float32),
-            eos=i32(-1),
+            eos=i32([-1]),
         ),
         jax.random.key(0),
     )

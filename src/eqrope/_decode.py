@@ -158,7 +158,8 @@ def decode_step(
     tokens = state.tokens.at[rows, pos].set(jnp.where(done, state.tokens[rows, pos], tok))
     logprobs = state.logprobs.at[rows, pos].set(jnp.where(done, state.logprobs[rows, pos], lp))
     n_new = state.n_new + jnp.where(done, 0, 1).astype(jnp.int32)
-    finished = done | (tok == sampling.eos) | (n_new >= max_new) | (pos + 1 >= max_len)
+    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
+    finished = done | is_eos | (n_new >= max_new) | (pos + 1 >= max_len)
 
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.

@@ -5,6 +5,8 @@ program and its loop state in `_decode.py`, the uncached reference loop in `_unc
 and token sampling in `_sampling.py`.
 """
 
+from collections.abc import Sequence
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -42,7 +44,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | ArrayLike | None = None,
     key=None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     prompt_lengths=None,
     pad_id: int | None = None,
     return_logprobs: bool = False,
@@ -64,7 +66,7 @@ def generate(
       ([`eqrope.testing.Uncached`][] wraps a decoder so).
     - `prompt`: `(seq,)` token ids, or `(batch, seq)` for a batch.
     - `max_new`: the most tokens to add. Generation also stops when the text fills the
-      cache (`max_len` positions), and, per row, after `eos_id`.
+      cache (`max_len` positions), and, per row, after an `eos_id`.
     - `max_len`: the cache rows of this call, at most the model's `max_len`. The program
       compiles once per value. `None` picks the smallest power of two (at least 16) that
       holds the prompt and `max_new` tokens, capped at the model's `max_len`, so a short
@@ -77,10 +79,12 @@ def generate(
       is sampled with `jax.random.fold_in(row_key, t)`, where `row_key = key` for a 1-D
       prompt and `jax.random.split(key, batch)[i]` for row `i` of a batch, so row `i`
       equals `generate(model, prompt[i, :prompt_lengths[i]], ..., key=row_key)`.
-    - `eos_id`: a row ends after this token.
+    - `eos_id`: a row ends after this token, or after any of a sequence of tokens (the
+      EOS token is kept). The ids are traced: a new list of the same length does not
+      recompile.
     - `prompt_lengths`: for a batch, the real length of each row (ragged prompts, padded on
       the right); `None` means every row is full.
-    - `pad_id`: fills positions after a row's end; default `eos_id`, else 0.
+    - `pad_id`: fills positions after a row's end; default the (first) `eos_id`, else 0.
     - `return_logprobs`: return a [`eqrope.Generation`][] with log-probabilities.
     - `check_finite`: raise `FloatingPointError` if the model's logits for a row still
       generating hold a NaN or an infinity, instead of sampling garbage. Inside the

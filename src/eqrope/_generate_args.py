@@ -83,16 +83,16 @@ def parse_request(
     rows = cache_rows(prompt.shape[1], max_new, model_max_len, max_len)
     max_new = min(max_new, rows)  # the cache stops the text first; keeps it an int32
     temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, key, vocab)
-    eos_id = _check_token_id(eos_id, "eos_id", vocab)
+    eos_ids = _check_eos(eos_id, vocab)
     pad_id = _check_token_id(pad_id, "pad_id", vocab)
     if pad_id is None:
-        pad_id = 0 if eos_id is None else eos_id
+        pad_id = eos_ids[0] if eos_ids else 0
     # NumPy scalars: `jnp.asarray` would dispatch a device op for each.
     sampling = Sampling(
         temperature=np.asarray(temperature, np.float32),
         top_k=np.asarray(top_k, np.int32),
         top_p=np.asarray(top_p, np.float32),
-        eos=np.asarray(-1 if eos_id is None else eos_id, np.int32),
+        eos=np.asarray(eos_ids or [-1], np.int32),
     )
     return Request(batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id)
 
@@ -159,6 +159,19 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
         real = np.arange(seq)[None, :] < lengths[:, None]
         check_vocab(prompt, vocab, "prompt", valid=real)
     return batched, prompt, lengths
+
+
+def _check_eos(eos_id, vocab) -> list[int]:
+    """`eos_id` as a list of token ids: an int, or a sequence of ints (Llama-3 instruct
+    checkpoints end on any of three), or `None` for none."""
+    if eos_id is None:
+        return []
+    if isinstance(eos_id, (list, tuple, np.ndarray)):
+        ids = [_check_token_id(v, f"eos_id[{i}]", vocab) for i, v in enumerate(np.asarray(eos_id, dtype=object).tolist())]
+        if not ids:
+            raise ValueError("eos_id is an empty sequence; pass None for no end token.")
+        return ids
+    return [_check_token_id(eos_id, "eos_id", vocab)]
 
 
 def _check_token_id(value, name: str, vocab):

@@ -19,13 +19,14 @@ class Sampling(NamedTuple):
     - `temperature`: 0 is greedy.
     - `top_k`: keep the logits `>=` the k-th largest (`top_k >= vocab` keeps everything).
     - `top_p`: nucleus mass (1 keeps everything).
-    - `eos`: the end-of-sequence id, or -1 for none.
+    - `eos`: the end-of-sequence ids, `(n_eos,)`; `[-1]` for none. Their number is part
+      of the program's shape; their values are traced.
     """
 
     temperature: Float[ArrayLike, ""]
     top_k: Int[ArrayLike, ""]
     top_p: Float[ArrayLike, ""]
-    eos: Int[ArrayLike, ""]
+    eos: Int[ArrayLike, " n_eos"]
 
 
 def sample_token(

@@ -34,9 +34,8 @@ def generate_text(
     decoded with `skip_special_tokens=True` and ended before the first of the tokenizer's
     `eos_ids`.
 
-    With exactly one EOS id a row stops generating at it. With several (Llama-3 instruct
-    lists three), `generate` runs without `eos_id`, every row generates `max_new` tokens,
-    and each row's text is cut on the host at the first of them.
+    Each row stops generating at the first of the tokenizer's EOS ids (Llama-3 instruct
+    lists three): they all go to `generate` as `eos_id`.
     """
     taken = sorted(set(_OWN) & set(sampling))
     if taken:
@@ -49,7 +48,7 @@ def generate_text(
             return []
         ids, lengths = tokenizer.encode_batch(prompt)
     eos_ids = tokenizer.eos_ids
-    eos_id = eos_ids[0] if len(eos_ids) == 1 else None
+    eos_id = list(eos_ids) if eos_ids else None
     result = generate(
         model, ids, max_new, eos_id=eos_id, prompt_lengths=lengths, return_logprobs=True, **sampling
     )

@@ -47,7 +47,7 @@ def generate_uncached(
     tokens = np.zeros((batch, max_len), np.int32)
     logprobs = np.zeros((batch, max_len), np.float32)
     ends = np.zeros((batch,), np.int32)
-    eos = int(request.sampling.eos)
+    eos = set(np.asarray(request.sampling.eos).tolist())
     keys = jax.random.split(request.key, batch) if request.batched else request.key[None]
     for r in range(batch):
         text = [int(t) for t in request.prompt[r, : request.lengths[r]]]
@@ -64,7 +64,7 @@ def generate_uncached(
             tok, lp = _sample(logits, keys[r], np.asarray(pos, np.int32), request.sampling)
             text.append(int(tok))
             tokens[r, pos], logprobs[r, pos] = int(tok), float(lp)
-            if int(tok) == eos:
+            if int(tok) in eos:
                 break
         ends[r] = len(text)
     return tokens, logprobs, ends
