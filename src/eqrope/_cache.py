@@ -1,7 +1,7 @@
 """The static-shape key/value cache: its layout, writing, checking, quantizing and reading.
 
 Everything a reader needs to know about the cache is here. Attention sees one block's
-rows through a [`BlockCache`][eqrope.KVCache.block] view and nothing else.
+rows through a `BlockCache` view (from `KVCache.block`) and nothing else.
 """
 
 import math

@@ -59,7 +59,8 @@ def generate(
 
     - `model`: a model with the cache protocol (`init_cache`, `prefill`, `step`, such as
       [`eqrope.RotaryDecoder`][]) takes the cached path: one compiled program that prefills
-      the prompt in chunks and decodes in a `jax.lax.scan` with the cache in the carry. Any
+      the prompt in chunks and decodes in a `jax.lax.while_loop` that stops with the last
+      row, the cache in its state (a `jax.lax.scan` under `jax.grad`). Any
       other causal callable `ids -> logits` with a `max_len` attribute takes the uncached
       path: the whole text runs again for every new token, padded on the right to the next
       power of two so that it compiles once per bucket, not once per length
