@@ -90,9 +90,9 @@ def test_merge_cache_matches_dense_softmax():
     k = jax.random.normal(keys[1], (1, 2, 40, 8), jnp.float32)
     v = jax.random.normal(keys[2], (1, 2, 40, 8), jnp.float32)
     past = eqrope.KVCache(keys=k, values=v, chunk=8).block(jnp.asarray(0, jnp.int32))
-    n_valid = jnp.asarray(29, jnp.int32)
+    positions = jnp.asarray([29, 30], jnp.int32)  # two queries; both see rows 0..28 of the cache
     state = _kernel.empty_state(2, 3, 2, 8)
-    out = _kernel.finish(_kernel.merge_cache(state, q, past, n_valid))
+    out = _kernel.finish(_kernel.merge_cache(state, q, past, positions))
     k, v = np.asarray(k)[0], np.asarray(v)[0]
     s = np.einsum("skgd,ktd->kgst", np.asarray(q), k)[..., :29] / np.sqrt(8)
     w = np.exp(s - s.max(-1, keepdims=True))

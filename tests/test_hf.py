@@ -232,8 +232,8 @@ def test_import_matches_numpy_llama(tmp_path, name, monkeypatch):
 
 def test_llama3_rates_follow_meta_rule():
     """eqrope's llama3 rescaling against Meta's loop, with every regime present."""
-    hf = {**BASE, **CONFIGS["llama3"]}
-    scaling = eqrope._hf_import.decoder_config(hf, "test", "float32").rope_scaling
+    hf = {"model_type": "llama", **BASE, **CONFIGS["llama3"]}
+    scaling = eqrope._hf_config.decoder_config(hf, "test", "float32", None).rope_scaling
     for head_dim in (16, 64, 128):
         ref = reference_inv_freq(head_dim, hf)
         base = reference_inv_freq(head_dim, {})
@@ -272,11 +272,13 @@ def test_legacy_config_fields_and_dtype(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"attention_bias": True}, "attention_bias=True"),
-        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"attention_bias": True}, r"missing tensor 'model.layers.0.self_attn.q_proj.bias'"),
+        ({"mlp_bias": True}, "mlp_bias=True.*only beside attention biases"),
+        ({"model_type": "mistral", "attention_bias": True}, "attention_bias=True.*mistral"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"head_dim": 32}, "head_dim=32.*hidden_size / num_attention_heads = 16"),
-        ({"model_type": "mistral"}, "model_type='mistral'"),
+        ({"head_dim": 32}, r"q_proj.weight' has shape \(64, 64\), config.json implies \(128, 64\)"),
+        ({"model_type": "gpt2"}, "model_type='gpt2'.*'llama', 'mistral', 'qwen2', 'qwen3'"),
+        ({"model_type": "qwen2", "layer_types": ["full_attention"]}, "layer_types=.*2 entries"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta": 1}}, r"keys \['beta'\].*type 'yarn'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 4.0, "mscale": 1.0}}, r"keys \['mscale'\]"),
         ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_parameters type 'longrope'"),
@@ -500,12 +502,15 @@ def test_exported_weights_run_in_numpy_llama(tmp_path):
     [
         (dict(norm="layer"), "norm='layer'"),
         (dict(mlp="gelu"), "mlp='gelu'"),
-        (dict(bias=True), "bias=True"),
         (dict(positions="learned"), "positions='learned'"),
+        (dict(bias=True, attention=eqrope.AttentionOptions(qk_norm=True)), "bias=True.*no Hugging Face family"),
+        (dict(attention=eqrope.AttentionOptions(window=4, window_blocks=(1,))), "some blocks only"),
+        (dict(attention=eqrope.AttentionOptions(out_bias=True)), "output bias without"),
+        (dict(attention=eqrope.AttentionOptions(qk_norm=True, qkv_bias=True)), "Qwen3.*alike"),
     ],
 )
-def test_export_refuses_non_llama_models(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message + ".*cannot be written as LlamaForCausalLM"):
+def test_export_refuses_models_no_family_expresses(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match="to_hf: .*" + message):
         eqrope.to_hf_llama(_eqrope_model(**kwargs), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

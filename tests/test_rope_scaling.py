@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import eqrope
-from eqrope._hf_import import decoder_config
+from eqrope._hf_config import decoder_config
 from eqrope._rope import rope_attention_factor
 from test_hf import (  # noqa: F401 (hf_lib is a fixture)
     BASE,
@@ -32,7 +32,7 @@ from test_hf import (  # noqa: F401 (hf_lib is a fixture)
 )
 
 
-LLAMA = {**BASE, "num_key_value_heads": 2}  # max_position_embeddings=128
+LLAMA = {"model_type": "llama", **BASE, "num_key_value_heads": 2}  # max_position_embeddings=128
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 # yarn with every option away from its default, and DeepSeek's mscale pair.
 YARN_OPTIONS = {
@@ -57,7 +57,7 @@ LLAMA3 = {
 def _scaling(rope: dict, max_position_embeddings: int = 128):
     """`rope_base` and `rope_scaling` as `from_hf_llama` reads them from `rope`."""
     hf = {**LLAMA, "max_position_embeddings": max_position_embeddings, "rope_parameters": rope}
-    c = decoder_config(hf, "test", "float32")
+    c = decoder_config(hf, "test", "float32", None)
     return c.rope_base, c.rope_scaling
 
 
@@ -371,8 +371,11 @@ def test_exported_scaling_runs_in_transformers(tmp_path, hf_lib, name):
     assert _rel_diff(ours, _hf_logits(hf_lib, theirs, ids)) < 1e-4
 
 
-def test_dynamic_scaling_must_use_the_models_max_len():
+def test_dynamic_scaling_must_cover_the_models_max_len():
+    """The rates are fixed for `scaling.max_len` tokens, which must cover the model's length
+    (a shorter model, as `from_hf(max_len=...)` builds, keeps the checkpoint's rates)."""
     scaling = eqrope.RopeScaling("dynamic", 2.0, original_max_len=16, max_len=64)
     eqrope.DecoderConfig(13, 16, 2, 1, 64, rope_scaling=scaling)
-    with pytest.raises(ValueError, match="dynamic with max_len=64, but the model's max_len is 32"):
-        eqrope.DecoderConfig(13, 16, 2, 1, 32, rope_scaling=scaling)
+    eqrope.DecoderConfig(13, 16, 2, 1, 32, rope_scaling=scaling)
+    with pytest.raises(ValueError, match="dynamic with max_len=64, but the model's max_len is 128"):
+        eqrope.DecoderConfig(13, 16, 2, 1, 128, rope_scaling=scaling)

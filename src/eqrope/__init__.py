@@ -1,14 +1,15 @@
 """eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox."""
 
 from ._attention import CausalSelfAttention as CausalSelfAttention
+from ._attention_options import AttentionOptions as AttentionOptions
 from ._block import DecoderBlock as DecoderBlock
 from ._cache import KVCache as KVCache, cache_nbytes as cache_nbytes
 from ._checkpoint import load as load, save as save
 from ._config import DecoderConfig as DecoderConfig, RopeScaling as RopeScaling
 from ._decoder import RotaryDecoder as RotaryDecoder
 from ._generate import Generation as Generation, generate as generate
-from ._hf_export import to_hf_llama as to_hf_llama
-from ._hf_import import from_hf_llama as from_hf_llama
+from ._hf_export import to_hf as to_hf, to_hf_llama as to_hf_llama
+from ._hf_import import from_hf as from_hf, from_hf_llama as from_hf_llama
 from ._mesh import make_mesh as make_mesh
 from ._mlp import GeluMLP as GeluMLP, SwiGLU as SwiGLU
 from ._params import count_params as count_params

@@ -30,7 +30,11 @@ class DecoderBlock(eqx.Module):
             config.d_model,
             config.n_heads,
             config.n_kv_heads,
-            bias=config.bias,
+            head_dim=config.head_dim,
+            bias=config.has_out_bias,
+            qkv_bias=config.has_qkv_bias,
+            qk_norm=config.attention.qk_norm,
+            norm_eps=config.norm_eps,
             rope=config.positions == "rope",
             rope_base=config.rope_base,
             rope_scaling=config.rope_scaling,
@@ -46,6 +50,7 @@ class DecoderBlock(eqx.Module):
         x: Float[Array, "seq d_model"],
         positions: Int[Array, " seq"],
         past: BlockCache | None = None,
+        window: Int[Array, ""] | None = None,
     ) -> tuple[
         Float[Array, "seq d_model"],
         Float[Array, "kv_heads seq head_dim"],
@@ -53,9 +58,10 @@ class DecoderBlock(eqx.Module):
     ]:
         """**Returns:** `(x, k, v)`: the block's output and its new rows' keys and values.
 
-        `past` (this block's cache rows) is passed to [`eqrope.CausalSelfAttention`][].
+        `past` (this block's cache rows) and `window` (a sliding window, if this block has
+        one) are passed to [`eqrope.CausalSelfAttention`][].
         """
-        h, k, v = self.attn(norm_rows(self.attn_norm, x), positions, past)
+        h, k, v = self.attn(norm_rows(self.attn_norm, x), positions, past, window)
         x = x + h
         x = x + self.mlp(norm_rows(self.mlp_norm, x))
         return x, k, v

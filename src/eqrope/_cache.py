@@ -178,21 +178,29 @@ class KVCache(eqx.Module):
             pos, pos > self.filled, "pos is past the cache's filled rows (a gap); positions must be consecutive."
         )
 
-    def block(self, index: Int[Array, ""], bound: Int[Array, ""] | None = None) -> "BlockCache":
+    def block(
+        self,
+        index: Int[Array, ""],
+        bound: Int[Array, ""] | None = None,
+        low: Int[Array, ""] | None = None,
+    ) -> "BlockCache":
         """A read-only view of block `index`'s rows (one sequence, no batch axis).
 
         `bound`: chunks of rows at or past it are not read (default: the position of the
-        first query). Under `jax.vmap` over rows at different positions, pass an unbatched
-        bound (the batch's furthest position), or the skip becomes a select that reads
-        every chunk. Neither changes the result.
+        first query). `low`: with a sliding window, chunks wholly before the window of a
+        query at `low` are not read (default: the position of the first query). Under
+        `jax.vmap` over rows at different positions, pass unbatched values (the batch's
+        furthest and nearest positions), or the skips become selects that read every
+        chunk. Neither changes the result.
         """
         return BlockCache(
-            self.keys, self.values, self.key_scales, self.value_scales, index, bound, self.chunk
+            self.keys, self.values, self.key_scales, self.value_scales, index, bound, low, self.chunk
         )
 
 
 class BlockCache(eqx.Module):
-    """One block's cached rows, read in place, in chunks of `chunk` rows up to `bound`.
+    """One block's cached rows, read in place, in chunks of `chunk` rows from `low`'s
+    window up to `bound`.
 
     It holds the whole stacked cache and the block index, and slices only the rows asked
     for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
@@ -205,6 +213,7 @@ class BlockCache(eqx.Module):
     value_scales: Float[Array, "blocks kv_heads max_len"] | None
     index: Int[Array, ""]
     bound: Int[Array, ""] | None
+    low: Int[Array, ""] | None
     chunk: int = eqx.field(static=True)
 
     @property

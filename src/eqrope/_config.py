@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from ._attention_options import AttentionOptions
 from ._checks import check_bool, check_float, check_int
 
 
@@ -45,8 +46,8 @@ class RopeScaling:
     - `kind="dynamic"`: NTK-aware scaling with the base enlarged once, to
       `base * (factor * max_len / original_max_len - (factor - 1)) ** (d / (d - 2))`:
       the rates transformers' dynamic scaling uses for a sequence of exactly `max_len`
-      tokens. Set `max_len` to the model's `max_len`; `max_len == original_max_len` gives
-      the unscaled rates. docs/weights.md says where this agrees with transformers.
+      tokens. Set `max_len` to the model's `max_len` (or more); `max_len ==
+      original_max_len` gives the unscaled rates. docs/weights.md says where this agrees with transformers.
 
     Each kind reads only its own fields (`ROPE_KIND_FIELDS`); another field set to a
     value other than its default raises, as does a non-finite or non-positive number.
@@ -124,6 +125,9 @@ class DecoderConfig:
     - `vocab_size`, `d_model`, `n_heads`, `n_blocks`, `max_len`: the sizes.
     - `d_ff`: hidden width of the feed-forward layer; `None` means `4 * d_model`.
     - `n_kv_heads`: key/value heads (grouped-query attention); `None` means `n_heads`.
+    - `attention`: the attention variants of the checkpoint families (head width, q/k/v
+      biases, q/k norms, a sliding window), an [`eqrope.AttentionOptions`][]; `None`
+      means the seed's attention.
     - `rope_base`, `rope_scaling`: the rotary frequencies (RoFormer Eq. 15).
     - `positions`: `"rope"` (rotary, the default) or `"learned"` (an absolute table of
       `max_len` rows added at the input, as in the textbook's chapter 1 model).
@@ -150,6 +154,7 @@ class DecoderConfig:
     max_len: int
     d_ff: int | None = None
     n_kv_heads: int | None = None
+    attention: AttentionOptions | None = None
     rope_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
     positions: Literal["rope", "learned"] = "rope"
@@ -175,20 +180,39 @@ class DecoderConfig:
             object.__setattr__(self, name, check_float(getattr(self, name), name))
         for name in ("bias", "head_bias", "tie_embeddings", "remat"):
             object.__setattr__(self, name, check_bool(getattr(self, name), name))
+        if self.attention is None:
+            object.__setattr__(self, "attention", AttentionOptions())
+        if not isinstance(self.attention, AttentionOptions):
+            raise TypeError(
+                f"attention must be an eqrope.AttentionOptions or None, got {self.attention!r}."
+            )
+        # One spelling per model: the default head width and "every block" are None.
+        a = self.attention
+        if a.head_dim is not None and a.head_dim * self.n_heads == self.d_model:
+            a = dataclasses.replace(a, head_dim=None)
+        if a.window_blocks == tuple(range(self.n_blocks)):
+            a = dataclasses.replace(a, window_blocks=None)
+        object.__setattr__(self, "attention", a)
         if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
             raise TypeError(
                 f"rope_scaling must be an eqrope.RopeScaling or None, got {self.rope_scaling!r}."
             )
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
-        if self.d_model % self.n_heads != 0:
+        if self.attention.head_dim is None and self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "choose n_heads that divides d_model."
+                "choose n_heads that divides d_model, or set attention.head_dim."
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
-                f"head_dim = d_model // n_heads = {self.head_dim} is odd; rotary "
-                "embeddings rotate pairs, so choose d_model and n_heads with an even ratio."
+                f"head_dim = {self.head_dim} is odd; rotary embeddings rotate pairs, so "
+                "choose an even head width (d_model // n_heads, or attention.head_dim)."
+            )
+        blocks = self.attention.window_blocks or ()
+        if blocks and blocks[-1] >= self.n_blocks:
+            raise ValueError(
+                f"attention.window_blocks names block {blocks[-1]}, but the model has "
+                f"n_blocks={self.n_blocks} (indices 0..{self.n_blocks - 1})."
             )
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
@@ -221,16 +245,28 @@ class DecoderConfig:
         if self.rope_scaling is not None and self.positions != "rope":
             raise ValueError("rope_scaling is set but positions is not 'rope'.")
         scaling = self.rope_scaling
-        if scaling is not None and scaling.kind == "dynamic" and scaling.max_len != self.max_len:
+        if scaling is not None and scaling.kind == "dynamic" and scaling.max_len < self.max_len:
             raise ValueError(
                 f"rope_scaling is dynamic with max_len={scaling.max_len}, but the model's "
-                f"max_len is {self.max_len}; the rates are fixed for the model's length, so "
-                "pass the same max_len to both."
+                f"max_len is {self.max_len}; the rates are fixed for a sequence of "
+                "rope_scaling.max_len tokens, which must cover the model's, so pass the "
+                "model's max_len (or more) to both."
             )
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """The width of each head: `attention.head_dim`, else `d_model // n_heads`."""
+        return self.attention.head_dim or self.d_model // self.n_heads
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases."""
+        return self.bias or self.attention.qkv_bias
+
+    @property
+    def has_out_bias(self) -> bool:
+        """Whether the attention's output projection has a bias."""
+        return self.bias or self.attention.out_bias
 
     @property
     def jnp_dtype(self):
@@ -253,18 +289,24 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"Unknown DecoderConfig fields: {sorted(unknown)}.")
         data = dict(data)
-        scaling = data.get("rope_scaling")
-        if scaling is not None:
-            if not isinstance(scaling, dict):
-                raise TypeError(
-                    f"rope_scaling must be a JSON object (the fields of RopeScaling) or null, "
-                    f"got {scaling!r}."
-                )
-            unknown = set(scaling) - {f.name for f in dataclasses.fields(RopeScaling)}
-            if unknown:
-                raise ValueError(f"Unknown RopeScaling fields: {sorted(unknown)}.")
-            data["rope_scaling"] = RopeScaling(**scaling)
+        for name, record in (("attention", AttentionOptions), ("rope_scaling", RopeScaling)):
+            data[name] = _record(data.get(name), name, record)
         return cls(**data)
+
+
+def _record(value, name: str, record: type):
+    """The `record` (a frozen dataclass) a JSON object describes; `None` stays `None`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"{name} must be a JSON object (the fields of {record.__name__}) or null, "
+            f"got {value!r}."
+        )
+    unknown = set(value) - {f.name for f in dataclasses.fields(record)}
+    if unknown:
+        raise ValueError(f"Unknown {record.__name__} fields: {sorted(unknown)}.")
+    return record(**value)
 
 
 def _dtype_name(dtype) -> str:

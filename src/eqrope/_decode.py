@@ -164,9 +164,12 @@ def decode_step(
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
     step_pos = jnp.minimum(pos, max_len - 1)
-    # An unbatched bound lets every row skip the cache chunks past the batch's furthest
-    # position (a batched one would make the skip a select).
-    step = functools.partial(model.step, check=False, kv_bound=jnp.max(step_pos))
+    # Unbatched bounds let every row skip the cache chunks past the batch's furthest
+    # position, and with a sliding window those before its nearest position's window (a
+    # batched one would make the skip a select).
+    step = functools.partial(
+        model.step, check=False, kv_bound=jnp.max(step_pos), kv_low=jnp.min(step_pos)
+    )
     logits, cache = jax.vmap(step)(tok, state.cache, step_pos)
     cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
     return DecodeState(

@@ -57,7 +57,7 @@ class RotaryDecoder(eqx.Module):
     ):
         """**Arguments:** the five sizes in the seed's order, `key`, and any keyword
         options, which are the other fields of [`eqrope.DecoderConfig`][] (`d_ff`,
-        `n_kv_heads`, `rope_base`, `rope_scaling`, `positions`, `norm`, `norm_eps`, `mlp`,
+        `n_kv_heads`, `attention`, `rope_base`, `rope_scaling`, `positions`, `norm`, `norm_eps`, `mlp`,
         `bias`, `head_bias`, `tie_embeddings`, `remat`, `dtype`), with the same defaults.
         `dtype=None` means float32 (also under `jax_enable_x64`).
         """
@@ -118,40 +118,55 @@ class RotaryDecoder(eqx.Module):
         cache: KVCache | None = None,
         *,
         kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "seq vocab"], NewRows, NewRows]:
         """The unchecked core: logits and each block's new keys and values.
 
         `positions` must be consecutive; the cache rows `r < positions[0]` are attended,
-        and chunks of cache rows at or past `kv_bound` (default `positions[0]`) are not
-        read (see [`eqrope.KVCache.block`][]). Public callers want `__call__`, `prefill` or
-        `step`, which check their inputs.
+        and chunks of cache rows at or past `kv_bound` (default `positions[0]`), or, with a
+        sliding window, wholly before the window of position `kv_low` (default
+        `positions[0]`), are not read (see [`eqrope.KVCache.block`][]). Public callers
+        want `__call__`, `prefill` or `step`, which check their inputs.
         """
         x = self.embed[ids]
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions]
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def run_block(block_arrays, x, past):
-            return eqx.combine(block_arrays, static)(x, positions, past)
+        def run_block(block_arrays, x, past, window):
+            return eqx.combine(block_arrays, static)(x, positions, past, window)
 
         if self.config.remat:
             run_block = eqx.filter_checkpoint(run_block)
 
         def body(x, xs):
-            block_arrays, index = xs
+            block_arrays, index, window = xs
             # The whole cache is closed over and each block reads its rows in place.
-            past = None if cache is None else cache.block(index, kv_bound)
-            x, k, v = run_block(block_arrays, x, past)
+            past = None if cache is None else cache.block(index, kv_bound, kv_low)
+            x, k, v = run_block(block_arrays, x, past, window)
             return x, (k, v)
 
-        indices = jnp.arange(self.config.n_blocks, dtype=jnp.int32)
-        x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices))
+        n_blocks = self.config.n_blocks
+        indices = jnp.arange(n_blocks, dtype=jnp.int32)
+        x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices, self._windows()))
         x = norm_rows(self.final_norm, x)
         head = self.embed.T if self.head is None else self.head
         logits = x @ head
         if self.head_bias is not None:
             logits = logits + self.head_bias
         return logits, keys, values
+
+    def _windows(self) -> Int[Array, " blocks"] | None:
+        """Each block's sliding window (a block without one sees every position: the
+        window is then past any position), or `None` when no block has one."""
+        attention, n_blocks = self.config.attention, self.config.n_blocks
+        if attention.window is None:
+            return None
+        everything = jnp.iinfo(jnp.int32).max // 2
+        return jnp.asarray(
+            [attention.window if w else everything for w in attention.windowed(n_blocks)],
+            jnp.int32,
+        )
 
     # -- the cache protocol --------------------------------------------------------------
 
@@ -186,6 +201,7 @@ class RotaryDecoder(eqx.Module):
         *,
         check: bool = True,
         kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "seq vocab"], KVCache]:
         """Run `ids` at positions `pos .. pos + seq - 1` in one pass against `cache`.
 
@@ -203,9 +219,11 @@ class RotaryDecoder(eqx.Module):
 
         The cache is read in chunks of `cache.chunk` rows, and chunks at or past
         `kv_bound` (default `pos`) are skipped, so the cost follows the position, not
-        `max_len`. Under `jax.vmap` over a batch with different positions, pass an
-        unbatched `kv_bound` (the batch's largest `pos`), or every chunk is computed.
-        Neither changes the result.
+        `max_len`. With a sliding window, chunks wholly before the window of position
+        `kv_low` (default `pos`) are skipped too, so the cost follows the window. Under
+        `jax.vmap` over a batch with different positions, pass an unbatched `kv_bound`
+        (the batch's largest `pos`) and `kv_low` (its smallest), or every chunk is
+        computed. Neither changes the result.
 
         **Returns:** `(logits, cache)`, logits for every row of `ids`.
         """
@@ -219,7 +237,7 @@ class RotaryDecoder(eqx.Module):
             ids = on_device(as_int_array(ids, "ids", ndim=1))
             pos = jnp.asarray(pos).astype(jnp.int32)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
-        logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound)
+        logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low)
         return logits, cache.write(keys, values, pos)
 
     def step(
@@ -230,16 +248,19 @@ class RotaryDecoder(eqx.Module):
         *,
         check: bool = True,
         kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, " vocab"], KVCache]:
         """One token at position `pos`: writes row `pos`, attends to rows `0 .. pos`.
 
-        `check` and `kv_bound` are as for `prefill`.
+        `check`, `kv_bound` and `kv_low` are as for `prefill`.
 
         **Returns:** `(logits, cache)`, the logits for the next position.
         """
         hint = " Pass one token id; for a batch use jax.vmap."
         token = on_device(as_int_array(token, "token", ndim=0, hint=hint))
-        logits, cache = self.prefill(token[None], cache, pos, check=check, kv_bound=kv_bound)
+        logits, cache = self.prefill(
+            token[None], cache, pos, check=check, kv_bound=kv_bound, kv_low=kv_low
+        )
         return logits[0], cache
 
     # -- checks --------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def has_cache_protocol(model) -> bool:
     """True for models with `init_cache`, `prefill` and `step` (like `RotaryDecoder`).
 
     `generate` calls `prefill(ids, cache, pos, check=False)` and `step(token, cache, pos,
-    check=False, kv_bound=bound)` after checking the prompt itself.
+    check=False, kv_bound=bound, kv_low=low)` after checking the prompt itself.
     """
     # On the type: an `eqx.Module` instance's getattr builds a bound method each time.
     kind = type(model)

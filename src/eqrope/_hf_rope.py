@@ -1,8 +1,8 @@
 """Rotary settings between a Hugging Face config and `eqrope.RopeScaling`, both ways.
 
 One table (`_HF_NAMES` over `ROPE_KIND_FIELDS`) says which key of a `rope_parameters` /
-`rope_scaling` dict is which `RopeScaling` field; `read_rope` (for `from_hf_llama`) and
-`write_rope` (for `to_hf_llama`) both read it, so the round trip is exact.
+`rope_scaling` dict is which `RopeScaling` field; `read_rope` (for `from_hf`) and
+`write_rope` (for `to_hf`) both read it, so the round trip is exact.
 """
 
 from ._checks import check_bool, check_float, check_int
@@ -45,24 +45,25 @@ def valid(check, value, name: str, source: str, **kwargs):
     try:
         return check(value, name, **kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"from_hf_llama: {source}: {e}") from None
+        raise ValueError(f"from_hf: {source}: {e}") from None
 
 
 def read_rope(hf: dict, source: str, max_len: int) -> dict:
-    """`rope_base` and `rope_scaling` for `DecoderConfig`, from a Llama `config.json` dict."""
+    """`rope_base` and `rope_scaling` for `DecoderConfig`, from a Hugging Face `config.json`
+    dict whose `max_position_embeddings` is `max_len`."""
     # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
     # As in transformers, a non-empty `rope_scaling` wins.
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get(field) or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ValueError(
-            f"from_hf_llama: {source} has {field}={params!r}; eqrope supports one flat dict "
+            f"from_hf: {source} has {field}={params!r}; eqrope supports one flat dict "
             "(per-layer rotary parameters are not supported)."
         )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default" and kind not in ROPE_KIND_FIELDS:
         raise ValueError(
-            f"from_hf_llama: {source} has {field} type {kind!r}; eqrope supports 'default', "
+            f"from_hf: {source} has {field} type {kind!r}; eqrope supports 'default', "
             f"{', '.join(repr(k) for k in ROPE_KIND_FIELDS)} rotary scaling."
         )
     fields = {} if kind == "default" else _hf_fields(kind)
@@ -70,7 +71,7 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(
-            f"from_hf_llama: {source} has {field} keys {unknown} that eqrope does not know "
+            f"from_hf: {source} has {field} keys {unknown} that eqrope does not know "
             f"for type {kind!r}; refusing to ignore them."
         )
 
@@ -81,12 +82,12 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial is not None and number("partial_rotary_factor", partial) != 1.0:
         raise ValueError(
-            f"from_hf_llama: {source} sets partial_rotary_factor; eqrope rotates the whole head."
+            f"from_hf: {source} sets partial_rotary_factor; eqrope rotates the whole head."
         )
     attention = params.get("attention_factor")
     if kind != "yarn" and attention is not None and number("attention_factor", attention) != 1:
         raise ValueError(
-            f"from_hf_llama: {source} sets {field}.attention_factor; eqrope (as transformers) "
+            f"from_hf: {source} sets {field}.attention_factor; eqrope (as transformers) "
             f"rescales attention only for yarn, not for type {kind!r}."
         )
     if kind == "default":
@@ -100,7 +101,7 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
             value = hf[key] if hf.get(key) is not None else params.get(key, max_len)
         if value is None and name in _REQUIRED:
             raise ValueError(
-                f"from_hf_llama: {source} has {field} type {kind!r} without a {key!r}."
+                f"from_hf: {source} has {field} type {kind!r} without a {key!r}."
             )
         if value is None and (name in _NULL_IS_DEFAULT or key not in params):
             continue
@@ -113,7 +114,7 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
     try:
         return dict(rope_base=base, rope_scaling=RopeScaling(**scaling))
     except ValueError as e:
-        raise ValueError(f"from_hf_llama: {source} has an invalid {field}: {e}") from None
+        raise ValueError(f"from_hf: {source} has an invalid {field}: {e}") from None
 
 
 def _mscale_attention(params: dict, factor: float, number) -> dict:
@@ -135,11 +136,11 @@ def write_rope(c: DecoderConfig) -> dict:
         return rope
     if s.kind == "dynamic" and not s.original_max_len == s.max_len == c.max_len:
         raise ValueError(
-            "to_hf_llama: the model's dynamic rope scaling has original_max_len="
+            "to_hf: the model's dynamic rope scaling has original_max_len="
             f"{s.original_max_len}, max_len={s.max_len} and the model max_len={c.max_len}; "
             "transformers' dynamic scaling takes max_position_embeddings as the original "
             "length and recomputes the rates as a sequence grows, so it would not give this "
-            "model's logits. Only dynamic scalings with all three equal (as from_hf_llama "
+            "model's logits. Only dynamic scalings with all three equal (as from_hf "
             "reads them) can be written."
         )
     rope["rope_type"] = s.kind

@@ -73,20 +73,33 @@ def merge_cache(
     state: State,
     q: Float[Array, "seq kv_heads group head_dim"],
     past: BlockCache,
-    n_valid: Int[Array, ""],
+    positions: Int[Array, " seq"],
+    window: Int[Array, ""] | None = None,
 ) -> State:
-    """Fold cache rows `0 .. n_valid - 1` into `state`, in chunks of `past.chunk` rows,
-    visiting only chunks below `past.bound` (default `n_valid`).
+    """Fold the cache rows below `positions[0]` into `state`, in chunks of `past.chunk`
+    rows, visiting only chunks below `past.bound` (default `positions[0]`).
 
-    Under `jax.vmap` a batched `n_valid` would turn the skip into a select that runs every
-    chunk, so a batched caller gives the view an unbatched bound (the batch's largest
-    `n_valid`).
+    With a sliding `window`, the query at position `p` sees rows `r > p - window` only,
+    and chunks wholly below `past.low - window + 1` (default `past.low = positions[0]`)
+    are not visited either, so a step reads about `window` rows whatever its position.
+
+    Under `jax.vmap` a batched position would turn the skips into selects that run every
+    chunk, so a batched caller gives the view unbatched bounds (the batch's largest and
+    smallest positions).
     """
     max_len, chunk = past.max_len, past.chunk
+    n_valid = positions[0]
     bound = n_valid if past.bound is None else past.bound
+    low = n_valid if past.low is None else past.low
+
+    def mask(rows, first):
+        visible = (rows >= first) & (rows < n_valid)
+        if window is None:
+            return visible[None, :]
+        return visible[None, :] & (rows[None, :] > positions[:, None] - window)
+
     if max_len <= chunk:
-        mask = jnp.arange(max_len, dtype=jnp.int32)[None, :] < n_valid
-        return merge(state, q, *past.rows(0, max_len), mask)
+        return merge(state, q, *past.rows(0, max_len), mask(jnp.arange(max_len, dtype=jnp.int32), 0))
     n_chunks = math.ceil(max_len / chunk)
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
@@ -94,13 +107,14 @@ def merge_cache(
         first = j * chunk
         # The last chunk may overlap the one before it; its repeated rows are masked.
         start = jnp.minimum(first, max_len - chunk)
+        needed = first < bound
+        if window is not None:
+            needed = needed & (first + chunk > low - window + 1)
 
         def visit(state):
-            rows = start + offsets
-            mask = ((rows >= first) & (rows < n_valid))[None, :]
-            return merge(state, q, *past.rows(start, chunk), mask)
+            return merge(state, q, *past.rows(start, chunk), mask(start + offsets, first))
 
-        return jax.lax.cond(first < bound, visit, lambda s: s, state), None
+        return jax.lax.cond(needed, visit, lambda s: s, state), None
 
     state, _ = jax.lax.scan(body, state, jnp.arange(n_chunks, dtype=jnp.int32))
     return state

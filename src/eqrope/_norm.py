@@ -45,6 +45,13 @@ def norm_rows(norm: eqx.Module, x: Float[Array, "seq d_model"]) -> Float[Array, 
     return jax.vmap(lambda row: _norm_one(norm, row))(x)
 
 
+def norm_heads(
+    norm: eqx.nn.RMSNorm, x: Float[Array, "seq heads head_dim"]
+) -> Float[Array, "seq heads head_dim"]:
+    """Apply `norm` (of width `head_dim`) to every head of every row (Qwen3's q/k norm)."""
+    return jax.vmap(jax.vmap(lambda row: _norm_one(norm, row)))(x)
+
+
 def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d_model"]:
     """`x / sqrt(mean(x^2) + eps) * weight` (RMSNorm), or the same of `x - mean(x)` plus a
     bias (LayerNorm), computed so that it cannot overflow."""

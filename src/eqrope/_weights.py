@@ -36,6 +36,7 @@ class Weight:
     - `path`: its pytree path in a `RotaryDecoder`, e.g. `"blocks.attn.wqkv"`.
     - `axes`: the logical axis of each dimension; a tuple entry is a fused dimension.
     - `when`: the config fields (and values) under which the array exists; `{}`: always.
+      A field of `config.attention` is named without the prefix (`qk_norm`).
     - `hf`: the Hugging Face tensor of each part, or `()` when there is none.
     - `transpose`: the Hugging Face tensors are stored transposed (`nn.Linear`).
     - `rope_rows`: per part, whether its rows get the rotary pairing permutation.
@@ -81,14 +82,20 @@ class Weight:
         return axis if isinstance(axis, tuple) else (axis,)
 
     def exists(self, config: DecoderConfig) -> bool:
-        """Whether a model with `config` has this array."""
-        return all(getattr(config, field) == value for field, value in self.when.items())
+        """Whether a model with `config` has this array. `when` names fields (or
+        properties) of the config, or of its `attention` options."""
+        def get(field):
+            owner = config.attention if hasattr(config.attention, field) else config
+            return getattr(owner, field)
+
+        return all(get(field) == value for field, value in self.when.items())
 
 
 _LAYER = "model.layers.{i}."
 _QKV = ("heads", "kv_heads", "kv_heads")
 _GATE_UP = ("d_ff", "d_ff")
 _BIAS = {"bias": True}
+_QK_NORM = {"qk_norm": True}
 _SWIGLU, _GELU = {"mlp": "swiglu"}, {"mlp": "gelu"}
 _LAYER_NORM = {"norm": "layer"}
 
@@ -104,14 +111,39 @@ WEIGHTS = (
         transpose=True,
         rope_rows=(True, True, False),
     ),
-    Weight("blocks.attn.bqkv", ("blocks", _QKV), when=_BIAS),
+    Weight(
+        "blocks.attn.bqkv",
+        ("blocks", _QKV),
+        when={"has_qkv_bias": True},
+        hf=tuple(_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
+        rope_rows=(True, True, False),
+    ),
     Weight(
         "blocks.attn.wo",
         ("blocks", "heads", "d_model"),
         hf=(_LAYER + "self_attn.o_proj.weight",),
         transpose=True,
     ),
-    Weight("blocks.attn.bo", ("blocks", "d_model"), when=_BIAS),
+    Weight(
+        "blocks.attn.bo",
+        ("blocks", "d_model"),
+        when={"has_out_bias": True},
+        hf=(_LAYER + "self_attn.o_proj.bias",),
+    ),
+    Weight(
+        "blocks.attn.q_norm.weight",
+        ("blocks", "head_dim"),
+        when=_QK_NORM,
+        hf=(_LAYER + "self_attn.q_norm.weight",),
+        rope_rows=(True,),
+    ),
+    Weight(
+        "blocks.attn.k_norm.weight",
+        ("blocks", "head_dim"),
+        when=_QK_NORM,
+        hf=(_LAYER + "self_attn.k_norm.weight",),
+        rope_rows=(True,),
+    ),
     Weight(
         "blocks.mlp_norm.weight",
         ("blocks", "d_model"),
@@ -125,7 +157,12 @@ WEIGHTS = (
         hf=(_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"),
         transpose=True,
     ),
-    Weight("blocks.mlp.b_gate_up", ("blocks", _GATE_UP), when=_SWIGLU | _BIAS),
+    Weight(
+        "blocks.mlp.b_gate_up",
+        ("blocks", _GATE_UP),
+        when=_SWIGLU | _BIAS,
+        hf=(_LAYER + "mlp.gate_proj.bias", _LAYER + "mlp.up_proj.bias"),
+    ),
     Weight(
         "blocks.mlp.w_down",
         ("blocks", "d_ff", "d_model"),
@@ -133,7 +170,12 @@ WEIGHTS = (
         hf=(_LAYER + "mlp.down_proj.weight",),
         transpose=True,
     ),
-    Weight("blocks.mlp.b_down", ("blocks", "d_model"), when=_SWIGLU | _BIAS),
+    Weight(
+        "blocks.mlp.b_down",
+        ("blocks", "d_model"),
+        when=_SWIGLU | _BIAS,
+        hf=(_LAYER + "mlp.down_proj.bias",),
+    ),
     Weight("blocks.mlp.w_in", ("blocks", "d_model", "d_ff"), when=_GELU),
     Weight("blocks.mlp.b_in", ("blocks", "d_ff"), when=_GELU | _BIAS),
     Weight("blocks.mlp.w_out", ("blocks", "d_ff", "d_model"), when=_GELU),
