@@ -675,7 +675,8 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
 
 
 class CountingDecoder(eqx.Module):
-    """Delegates the cache protocol to `inner`, and reports each executed step/prefill."""
+    """Delegates the cache protocol to `inner`, and reports each executed step/prefill,
+    once per row (under `vmap` a callback sees every row at once)."""
 
     inner: eqrope.RotaryDecoder
 
@@ -692,11 +693,12 @@ class CountingDecoder(eqx.Module):
         return self.inner.init_cache(batch, **kwargs)
 
     def prefill(self, ids, cache, pos=0, **kwargs):
-        jax.debug.callback(lambda p: EXECUTED.append(("prefill", int(p))), pos)
+        record = lambda p, t: EXECUTED.extend([("prefill", int(p))] * np.size(t))  # noqa: E731
+        jax.debug.callback(record, pos, ids[0])
         return self.inner.prefill(ids, cache, pos, **kwargs)
 
     def step(self, token, cache, pos, **kwargs):
-        jax.debug.callback(lambda p: EXECUTED.append(("step", int(p))), pos)
+        jax.debug.callback(lambda p: EXECUTED.extend(("step", int(q)) for q in np.ravel(p)), pos)
         return self.inner.step(token, cache, pos, **kwargs)
 
 

@@ -8,6 +8,7 @@ from ._checkpoint import load as load, save as save
 from ._config import DecoderConfig as DecoderConfig, RopeScaling as RopeScaling
 from ._decoder import RotaryDecoder as RotaryDecoder
 from ._generate import Generation as Generation, generate as generate
+from ._generation_config import GenerationConfig as GenerationConfig
 from ._hf_export import to_hf as to_hf, to_hf_llama as to_hf_llama
 from ._hf_import import from_hf as from_hf, from_hf_llama as from_hf_llama
 from ._mesh import make_mesh as make_mesh

@@ -1,9 +1,11 @@
 """The cached generate program: a chunked prefill, then one token per row per iteration.
 
 It is one `eqx.filter_jit` program. The loop state is a `DecodeState`, a named
-record like Gemma's `SamplingState`; everything but the shapes (the batch and the cache
-length), the prefill chunk and the mesh is a traced argument, so a new prompt, `max_new`,
-sampling setting or key does not recompile.
+record like Gemma's `SamplingState`; everything but the shapes (the batch, the cache
+length, the number of samples per prompt, the sizes of the EOS, banned and stop lists),
+the prefill chunk, whether `on_token` streams, and the mesh is a traced argument, so a
+new prompt, `max_new`, sampling setting, penalty, id list of the same size or key does
+not recompile.
 
 The loop is a `lax.while_loop` that stops when every row is done, so a job costs what
 its tokens cost, whatever the cache length. A `while_loop` cannot be reverse-
@@ -21,8 +23,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from ._cache import KVCache
-from ._sampling import Sampling, sample_token
+from ._processors import History, prompt_history, record
+from ._sampling import Sampling, choose_token, row_keys
 from ._sharding import constrain
+from ._stopping import ends_with_stop
+from ._stream import emit
 
 
 class DecodeState(eqx.Module):
@@ -32,9 +37,12 @@ class DecodeState(eqx.Module):
     - `logits`: float32 logits for the token at `pos` of each row.
     - `pos`: where each row's next token goes.
     - `n_new`: tokens generated so far per row.
-    - `done`: rows that have stopped (EOS, `max_new`, or the cache is full).
-    - `tokens`, `logprobs`: `(batch, max_len)` buffers of the text and of each new
-      token's log-probability (0 elsewhere).
+    - `done`: rows that have stopped (EOS, a stop sequence, `max_new`, or the cache is
+      full).
+    - `history`: the ids each row has seen and how often it generated each (the
+      penalties read it), updated with each token.
+    - `tokens`, `logprobs`, `model_logprobs`: `(batch, max_len)` buffers of the text and
+      of each new token's log-probabilities, as sampled and under the model (0 elsewhere).
     - `nonfinite`: rows stopped because their logits held a NaN or an infinity.
     """
 
@@ -43,8 +51,10 @@ class DecodeState(eqx.Module):
     pos: Int[Array, " batch"]
     n_new: Int[Array, " batch"]
     done: Bool[Array, " batch"]
+    history: History
     tokens: Int[Array, "batch max_len"]
     logprobs: Float[Array, "batch max_len"]
+    model_logprobs: Float[Array, "batch max_len"]
     nonfinite: Bool[Array, " batch"]
 
 
@@ -71,7 +81,10 @@ def _rebuild(arrays, structure):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("structure", "batched", "chunk", "differentiable", "check_finite", "mesh", "rules"),
+    static_argnames=(
+        "structure", "batched", "chunk", "samples", "stream", "differentiable", "check_finite",
+        "mesh", "rules",
+    ),
 )
 def generate_program(arrays, *args, structure, **static):
     return decode_program(_rebuild(arrays, structure), *args, **static)
@@ -84,43 +97,65 @@ def decode_program(
     max_new: Int[Array, ""],
     sampling: Sampling,
     key: Key[Array, ""],
+    stream_id: Int[Array, ""] | None = None,
     *,
     batched: bool,
     chunk: int,
+    samples: int | None = None,
+    stream: bool = False,
     differentiable: bool = False,
     check_finite: bool = True,
     mesh=None,
     rules=None,
 ) -> tuple[
-    Int[Array, "batch max_len"], Float[Array, "batch max_len"], Int[Array, " batch"], Bool[Array, ""]
+    Int[Array, "rows max_len"],
+    Float[Array, "rows max_len"],
+    Float[Array, "rows max_len"],
+    Int[Array, " rows"],
+    Bool[Array, ""],
 ]:
     """Prefill, then decode, as one program.
 
     `buffer` has one column per cache row. Row `i` samples with
-    `fold_in(row_key_i, position)`, where `row_key_i = key` for an unbatched call and
-    `jax.random.split(key, batch)[i]` for a batched one. `differentiable=True` runs the
+    `fold_in(row_key_i, position)`, the keys of `eqrope._sampling.row_keys`.
+    `samples=n` prefills each prompt once and decodes `n` rows from it (`rows = batch *
+    n`, sample-minor). `stream=True` calls the `on_token` listener `stream_id` (see
+    `_stream.py`) with each step's new tokens. `differentiable=True` runs the
     loop as a scan (reverse-differentiable) instead of a while loop. `check_finite`
     stops a row whose logits hold a NaN or an infinity and flags it, at the cost of one
     reduction per step; the caller raises. With a `mesh`, the
     batched cache is pinned to the sharding `eqrope.shard` gives a cache, and the results
     are replicated.
 
-    **Returns:** `(tokens, logprobs, ends, nonfinite)`: the text buffer, the
-    log-probabilities, each row's end (prompt plus generated tokens), and whether any row
-    met non-finite logits.
+    **Returns:** `(tokens, logprobs, model_logprobs, ends, nonfinite)`: the text buffer,
+    the two log-probabilities of each new token (`eqrope._sampling.choose_token`), each
+    row's end (prompt plus generated tokens), and whether any row met non-finite logits.
     """
     batch, max_len = buffer.shape
-    keys = jax.random.split(key, batch) if batched else key[None]
+    keys = row_keys(key, batch, batched, samples)
     cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
-    step = functools.partial(decode_step, model, max_new, sampling, keys, check_finite, mesh, rules)
+    history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(buffer, lengths)
+    if samples is not None:  # one prefill per prompt; its cache rows serve every sample
+        repeat = functools.partial(jnp.repeat, repeats=samples, axis=0)
+        cache, logits, buffer, lengths, history = jax.tree.map(
+            repeat, (cache, logits, buffer, lengths, history)
+        )
+        cache = constrain(cache, mesh, rules)
+        batch = batch * samples
+    listener = stream_id if stream else None
+    step = functools.partial(
+        decode_step, model, max_new, sampling, keys, listener, check_finite, mesh, rules
+    )
     state = DecodeState(
         cache=cache,
         logits=logits,
         pos=lengths,
         n_new=jnp.zeros((batch,), jnp.int32),
         done=(max_new <= 0) | (lengths >= max_len),
+        history=history,
         tokens=buffer,
         logprobs=jnp.zeros((batch, max_len), jnp.float32),
+        model_logprobs=jnp.zeros((batch, max_len), jnp.float32),
         nonfinite=jnp.zeros((batch,), jnp.bool_),
     )
     if differentiable:
@@ -132,7 +167,9 @@ def decode_program(
     else:
         state = jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
     # Replicated (plain arrays under `constrain`), so every process can read them.
-    outputs = (state.tokens, state.logprobs, state.pos, jnp.any(state.nonfinite))
+    outputs = (
+        state.tokens, state.logprobs, state.model_logprobs, state.pos, jnp.any(state.nonfinite)
+    )  # fmt: skip
     return constrain(outputs, mesh, rules)
 
 
@@ -144,22 +181,36 @@ NON_FINITE = (
 
 
 def decode_step(
-    model, max_new, sampling: Sampling, keys, check_finite, mesh, rules, state: DecodeState
+    model, max_new, sampling: Sampling, keys, listener, check_finite, mesh, rules, state: DecodeState
 ) -> DecodeState:
-    """Sample each unfinished row's token at `pos`, then run the model one step on it."""
+    """Sample each unfinished row's token at `pos`, then run the model one step on it.
+
+    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
+    tokens before this one, after `max_new` new tokens, or when the cache is full.
+    """
     batch, max_len = state.tokens.shape
     pos, done, logits = state.pos, state.done, state.logits
     nonfinite = state.nonfinite
     if check_finite:  # a row with a NaN or an inf stops here, flagged, with nothing added
         nonfinite = nonfinite | (~done & ~jnp.all(jnp.isfinite(logits), axis=-1))
         done = done | nonfinite
-    tok, lp = jax.vmap(sample_token, in_axes=(0, 0, 0, None))(logits, keys, pos, sampling)
+    choose = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
+    tok, lp, own = choose(logits, state.history, state.n_new, keys, pos, sampling)
     rows = jnp.arange(batch)
-    tokens = state.tokens.at[rows, pos].set(jnp.where(done, state.tokens[rows, pos], tok))
-    logprobs = state.logprobs.at[rows, pos].set(jnp.where(done, state.logprobs[rows, pos], lp))
+
+    def write(buffer, value):
+        return buffer.at[rows, pos].set(jnp.where(done, buffer[rows, pos], value))
+
+    tokens = write(state.tokens, tok)
+    logprobs, model_logprobs = write(state.logprobs, lp), write(state.model_logprobs, own)
+    if listener is not None:
+        emit(listener, tok, pos, ~done)
+    history = jax.vmap(record)(state.history, tok, ~done)
     n_new = state.n_new + jnp.where(done, 0, 1).astype(jnp.int32)
     is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
-    finished = done | is_eos | (n_new >= max_new) | (pos + 1 >= max_len)
+    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
+    may_end = state.n_new >= sampling.min_new
+    finished = done | (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
 
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
@@ -178,8 +229,10 @@ def decode_step(
         pos=jnp.where(done, pos, pos + 1),
         n_new=n_new,
         done=finished,
+        history=history,
         tokens=tokens,
         logprobs=logprobs,
+        model_logprobs=model_logprobs,
         nonfinite=nonfinite,
     )
 

@@ -6,14 +6,16 @@ clear `TypeError`/`ValueError` naming it, and the compiled program sees only arr
 
 import dataclasses
 import functools
-import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._checks import as_int_array, check_int, check_vocab, is_concrete
+from ._generation_config import GenerationConfig, token_id
 from ._sampling import Sampling
+from ._stopping import stop_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Request:
       (see `cache_rows`); `max_new`: the most new tokens per row.
     - `sampling`: the traced settings; `key`: one typed PRNG key (rows derive theirs).
     - `pad_id`: fills positions after a row's end.
+    - `samples`: `num_samples` (`None`: one sample per prompt, without its axis).
+    - `stream`: the `on_token` callback, or `None`.
     """
 
     batched: bool
@@ -36,6 +40,13 @@ class Request:
     sampling: Sampling
     key: jax.Array
     pad_id: int
+    samples: int | None = None
+    stream: Callable[[int, int, int], object] | None = None
+
+    @property
+    def rows(self) -> int:
+        """The rows the program decodes: prompts times samples."""
+        return self.prompt.shape[0] * (self.samples or 1)
 
     @property
     def total(self) -> int:
@@ -70,31 +81,92 @@ def cache_rows(seq: int, max_new: int, model_max_len: int, max_len: int | None) 
 
 
 def parse_request(
-    model, prompt, max_new, *, max_len, temperature, top_k, top_p, key, eos_id, prompt_lengths, pad_id
+    model, prompt, settings: GenerationConfig, *, max_len, key, prompt_lengths, stream=None
 ) -> Request:
-    """Check every argument of `generate` that is about the text and the sampling."""
+    """Check every argument of `generate` that is about the text and the sampling.
+
+    `settings` is already checked (`GenerationConfig`); here come the checks that need
+    the model: the prompt, the cache length, and token ids below its `vocab_size`.
+    """
     for name, value in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
         if not is_concrete(value):
             raise TypeError(UNDER_JIT.format(name=name))
     model_max_len = _max_len(model)
     vocab = getattr(model, "vocab_size", None)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
-    max_new = check_int(max_new, "max_new", minimum=0)
-    rows = cache_rows(prompt.shape[1], max_new, model_max_len, max_len)
-    max_new = min(max_new, rows)  # the cache stops the text first; keeps it an int32
-    temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p, key, vocab)
-    eos_ids = _check_eos(eos_id, vocab)
-    pad_id = _check_token_id(pad_id, "pad_id", vocab)
+    if settings.max_new is None:
+        raise ValueError(
+            "generate needs max_new, the most new tokens per row: pass max_new=..., or a "
+            "config with max_new set."
+        )
+    rows = cache_rows(prompt.shape[1], settings.max_new, model_max_len, max_len)
+    max_new = min(settings.max_new, rows)  # the cache stops the text first; keeps it an int32
+    if settings.temperature > 0 and key is None:
+        raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
+    eos_ids, bad_ids, stop = _check_ids(settings, vocab)
+    pad_id = settings.pad_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
+    limit = vocab if vocab is not None else np.iinfo(np.int32).max
+    # A top_k of at least the vocabulary keeps everything, whatever its size.
+    top_k = limit if settings.top_k is None else min(settings.top_k, limit)
     # NumPy scalars: `jnp.asarray` would dispatch a device op for each.
     sampling = Sampling(
-        temperature=np.asarray(temperature, np.float32),
-        top_k=np.asarray(top_k, np.int32),
-        top_p=np.asarray(top_p, np.float32),
+        temperature=np.float32(settings.temperature),
+        top_k=np.int32(top_k),
+        top_p=np.float32(1.0 if settings.top_p is None else settings.top_p),
         eos=np.asarray(eos_ids or [-1], np.int32),
+        min_p=np.float32(settings.min_p or 0.0),
+        repetition_penalty=np.float32(settings.repetition_penalty),
+        presence_penalty=np.float32(settings.presence_penalty),
+        frequency_penalty=np.float32(settings.frequency_penalty),
+        min_new=np.int32(min(settings.min_new, np.iinfo(np.int32).max)),
+        bad=_padded(bad_ids),
+        stop=stop_table(stop),
     )
-    return Request(batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id)
+    return Request(
+        batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id,
+        settings.num_samples, stream,
+    )  # fmt: skip
+
+
+def _check_ids(settings: GenerationConfig, vocab: int | None):
+    """The EOS ids, banned ids and stop sequences, each id checked against `vocab`."""
+    eos = settings.eos_id
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    name = "eos_id" if isinstance(eos, int) else "eos_id[{}]"
+    for i, v in enumerate(eos_ids):
+        token_id(v, name.format(i), vocab)
+    token_id(settings.pad_id, "pad_id", vocab)
+    bad_ids = list(settings.bad_ids or ())
+    for i, v in enumerate(bad_ids):
+        token_id(v, f"bad_ids[{i}]", vocab)
+    both = sorted(set(bad_ids) & set(eos_ids))
+    if both:
+        raise ValueError(
+            f"bad_ids and eos_id share {both}: a banned EOS could never end a row. Remove "
+            "them from one of the two (transformers drops them from bad_words_ids)."
+        )
+    if vocab is not None and len(set(bad_ids)) >= vocab:
+        raise ValueError(f"bad_ids bans all {vocab} token ids; leave at least one allowed.")
+    stop = settings.stop or ()
+    for i, sequence in enumerate(stop):
+        if isinstance(sequence, str):
+            raise TypeError(
+                f"stop[{i}] is the string {sequence!r}; generate takes token-id sequences. "
+                "Use eqrope.generate_text, which encodes strings, or tokenizer.encode(...)."
+            )
+        for j, v in enumerate(sequence):
+            token_id(v, f"stop[{i}][{j}]", vocab)
+    return eos_ids, bad_ids, stop
+
+
+def _padded(ids: list[int]) -> np.ndarray:
+    """`ids` padded with -1 (no id) to a power of two, at least 8, so that no list and
+    any list of up to 8 ids share one program, and longer ones one per size bucket."""
+    out = np.full((max(8, 1 << max(len(ids) - 1, 0).bit_length()),), -1, np.int32)
+    out[: len(ids)] = ids
+    return out
 
 
 UNDER_JIT = (
@@ -159,55 +231,6 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
         real = np.arange(seq)[None, :] < lengths[:, None]
         check_vocab(prompt, vocab, "prompt", valid=real)
     return batched, prompt, lengths
-
-
-def _check_eos(eos_id, vocab) -> list[int]:
-    """`eos_id` as a list of token ids: an int, or a sequence of ints (Llama-3 instruct
-    checkpoints end on any of three), or `None` for none."""
-    if eos_id is None:
-        return []
-    if isinstance(eos_id, (list, tuple, np.ndarray)):
-        ids = [_check_token_id(v, f"eos_id[{i}]", vocab) for i, v in enumerate(np.asarray(eos_id, dtype=object).tolist())]
-        if not ids:
-            raise ValueError("eos_id is an empty sequence; pass None for no end token.")
-        return ids
-    return [_check_token_id(eos_id, "eos_id", vocab)]
-
-
-def _check_token_id(value, name: str, vocab):
-    value = check_int(value, name, none=True)
-    if value is not None and (value < 0 or (vocab is not None and value >= vocab)):
-        raise ValueError(f"{name} must be a token id in [0, vocab_size={vocab}), got {value}.")
-    return value
-
-
-def _check_sampling(temperature, top_k, top_p, key, vocab):
-    if is_concrete(temperature):
-        t = _real(temperature, "temperature", "a number >= 0 (0 is greedy)")
-        if math.isnan(t) or t < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}.")
-        if t > 0 and key is None:
-            raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
-    top_k = check_int(top_k, "top_k", minimum=1, none=True)
-    limit = vocab if vocab is not None else np.iinfo(np.int32).max
-    # A top_k of at least the vocabulary keeps everything, whatever its size.
-    top_k = limit if top_k is None else min(top_k, limit)
-    if top_p is None:
-        top_p = 1.0
-    else:
-        top_p = _real(top_p, "top_p", "a number in (0, 1] or None")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
-    return temperature, top_k, top_p
-
-
-def _real(value, name: str, wanted: str) -> float:
-    """A Python, NumPy or 0-d JAX real scalar as a float; anything else is refused by name."""
-    if hasattr(value, "dtype") and getattr(value, "ndim", None) == 0 and not isinstance(value, np.generic):
-        value = np.asarray(value)[()]  # a 0-d JAX or NumPy array: its NumPy scalar
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__}).")
-    return float(value)
 
 
 def _check_key(key):
