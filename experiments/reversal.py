@@ -22,10 +22,19 @@ Outputs, in `--out` (default `experiments/results`): `reversal_<name>.json` (eve
 measured), `reversal_<name>.md` (the by-length table) and `reversal_<name>.png` (the
 figure). Trained models go to `--checkpoints/<name>/<model>_seed<seed>/` (written with
 `eqrope.save`); `--load` reads them back and skips training.
+
+Every count comes with a Wilson 95% interval, and every model is also tested on a large
+sample (`--large-sample`, 4,000 fresh strings per test set, from another seed), so that a
+model's rate can be told from one draw of 500. `--add-large-sample` does only that for an
+existing run: it reads `reversal_<name>.json`, tests its saved checkpoints on the large
+sample, and rewrites the JSON (keeping every committed count), the table and the figure:
+
+    python experiments/reversal.py --name main --add-large-sample
 """
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -43,6 +52,50 @@ import reversal_data as data
 
 MODELS = {"rotary": "rope", "learned": "learned"}
 TEST_SEED = 20240  # one fixed test set for every model and seed, so results pair up
+LARGE_SAMPLE_SEED = 20241  # the large sample: another draw, shared the same way
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_command(argv: list[str] | None = None) -> str:
+    """The command line (`sys.argv` by default) as `python <args>`, with every absolute
+    path inside the repository written relative to its root, so that a results file does
+    not record the machine it ran on."""
+    return " ".join(["python", *map(_relative, sys.argv if argv is None else argv)])
+
+
+def _relative(arg: str) -> str:
+    path = Path(arg)
+    if path.is_absolute():
+        try:
+            return str(path.resolve().relative_to(ROOT))
+        except ValueError:
+            pass
+    return arg
+
+
+def wilson(correct: int, total: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval for a binomial rate (95% for the default `z`).
+
+    **Returns:** `(low, high)`, within [0, 1]; `(0, 1)` when `total` is 0.
+
+    ??? cite "Reference"
+
+        Wilson 1927, "Probable inference, the law of succession, and statistical
+        inference", JASA 22(158), 209-212.
+    """
+    if total == 0:
+        return 0.0, 1.0
+    p = correct / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def with_interval(correct: int, total: int) -> str:
+    """`"3/500 (0.2-1.7%)"`: a count and its Wilson 95% interval, in percent."""
+    low, high = wilson(correct, total)
+    return f"{correct}/{total} ({100 * low:.1f}–{100 * high:.1f}%)"
 
 
 def build_model(kind: str, rope_base: float, *, key) -> eqrope.RotaryDecoder:
@@ -108,6 +161,26 @@ def make_test_sets(args) -> dict[str, list[np.ndarray]]:
     return {
         spec: data.random_strings(rng, args.n_test, data.parse_lengths(spec))
         for spec in args.test_lengths
+    }
+
+
+def make_large_sample(test_lengths: list[str], n: int) -> dict[str, list[np.ndarray]]:
+    """`n` fresh strings for each test set, from `LARGE_SAMPLE_SEED`."""
+    rng = np.random.default_rng(LARGE_SAMPLE_SEED)
+    return {spec: data.random_strings(rng, n, data.parse_lengths(spec)) for spec in test_lengths}
+
+
+def exact_matches(model, strings: list[np.ndarray]) -> dict:
+    """`{"correct", "total", "by_length": {L: [correct, strings]}}`, for the large sample."""
+    ok = data.answers_correct(greedy_answers(model, strings), strings)
+    sizes = np.array([len(s) for s in strings])
+    return {
+        "correct": int(ok.sum()),
+        "total": len(strings),
+        "by_length": {
+            str(n): [int(ok[sizes == n].sum()), int((sizes == n).sum())]
+            for n in sorted(set(sizes.tolist()))
+        },
     }
 
 
@@ -177,44 +250,70 @@ def checkpoint_dir(args, kind: str, seed: int) -> Path:
     return args.checkpoints / args.name / f"{kind}_seed{seed}"
 
 
-def trained_model(args, kind: str, seed: int):
-    """Train (and save) the model, or with `--load` read it back."""
-    path = checkpoint_dir(args, kind, seed)
+def load_or_train(path: Path, load: bool, train_new, hint: str):
+    """With `load`, read the checkpoint at `path` and its `train.json`; otherwise call
+    `train_new() -> (model, info)` and save both there (`eqrope.save`).
+
+    `hint` says which options must match for `--load` to find the checkpoint.
+    **Returns:** `(model, info)`.
+    """
     info_file = path / "train.json"
-    if args.load:
+    if load:
         if not info_file.is_file():
             raise FileNotFoundError(
-                f"--load: no checkpoint at {path}; run once without --load (same --name, "
-                "--checkpoints, --models and --seeds) to train and save it."
+                f"--load: no checkpoint at {path}; run once without --load ({hint}) to "
+                "train and save it."
             )
-        model = eqrope.load(path)
-        info = json.loads(info_file.read_text())
-        if model.config.rope_base != args.rope_base and kind == "rotary":
-            raise ValueError(
-                f"--load: {path} has rope_base {model.config.rope_base}, but --rope-base is "
-                f"{args.rope_base}; pass the same --rope-base or another --name."
-            )
-        return model, info
-    model = build_model(kind, args.rope_base, key=jax.random.PRNGKey(seed))
-    model, info = train(model, args, seed, f"{kind} seed {seed}")
-    info.update(steps=args.steps, batch=args.batch, lr=args.lr, train_lengths=list(args.train_lengths))
+        return eqrope.load(path), json.loads(info_file.read_text())
+    model, info = train_new()
     eqrope.save(path, model)
     info_file.write_text(json.dumps(info, indent=2) + "\n")
     return model, info
 
 
+def trained_model(args, kind: str, seed: int):
+    """Train (and save) the model, or with `--load` read it back."""
+
+    def train_new():
+        model = build_model(kind, args.rope_base, key=jax.random.PRNGKey(seed))
+        model, info = train(model, args, seed, f"{kind} seed {seed}")
+        info.update(steps=args.steps, batch=args.batch, lr=args.lr, train_lengths=list(args.train_lengths))
+        return model, info
+
+    path = checkpoint_dir(args, kind, seed)
+    model, info = load_or_train(
+        path, args.load, train_new, "same --name, --checkpoints, --models and --seeds"
+    )
+    if args.load and model.config.rope_base != args.rope_base and kind == "rotary":
+        raise ValueError(
+            f"--load: {path} has rope_base {model.config.rope_base}, but --rope-base is "
+            f"{args.rope_base}; pass the same --rope-base or another --name."
+        )
+    return model, info
+
+
 def markdown_table(result: dict) -> str:
-    """Correct answers by length: the mean over seeds and each seed's count."""
+    """Correct answers by length: the mean over seeds, each seed's count with its Wilson 95%
+    interval, and (when measured) each seed's count on the large sample."""
     models = list(result["runs"])
     seeds = result["settings"]["seeds"]
+    large = result["settings"].get("large_sample", {}).get("n", 0)
+    extra = f" | {{m}}: {large:,} fresh strings, per seed" if large else ""
     lines = [
         f"Exact-match answers by string length, `{result['name']}` "
-        f"(trained on lengths {result['settings']['train_lengths_text']}, seeds {seeds}).",
+        f"(trained on lengths {result['settings']['train_lengths_text']}, seeds {seeds}). "
+        "Each count has its Wilson 95% interval. The fixed test set is one draw of "
+        f"{result['settings']['n_test']} strings per test set"
+        + (
+            f"; the large-sample columns test the same checkpoints on {large:,} other fresh "
+            f"strings per test set (seed {result['settings']['large_sample']['seed']})."
+            if large else "."
+        ),
         "",
         "| lengths | length | strings | "
-        + " | ".join(f"{m}: mean | {m}: per seed" for m in models)
+        + " | ".join(f"{m}: mean | {m}: per seed" + extra.format(m=m) for m in models)
         + " |",
-        "|---|---:|---:|" + "---:|---|" * len(models),
+        "|---|---:|---:|" + ("---:|---|" + ("---|" if large else "")) * len(models),
     ]
     for spec in result["settings"]["test_lengths"]:
         by_length = result["runs"][models[0]][0]["tests"][spec]["by_length"]
@@ -222,12 +321,22 @@ def markdown_table(result: dict) -> str:
         for n, total in rows:
             cells = []
             for m in models:
+                runs = result["runs"][m]
                 if n == "all":
-                    counts = [r["tests"][spec]["correct"] for r in result["runs"][m]]
-                    total = result["runs"][m][0]["tests"][spec]["total"]
+                    pairs = [(r["tests"][spec]["correct"], r["tests"][spec]["total"]) for r in runs]
+                    total = pairs[0][1]
+                    big = [(r["large_sample"][spec]["correct"], r["large_sample"][spec]["total"])
+                           for r in runs if large]
                 else:
-                    counts = [r["tests"][spec]["by_length"][n][0] for r in result["runs"][m]]
-                cells.append(f"{np.mean(counts):.1f} | {', '.join(map(str, counts))}")
+                    pairs = [r["tests"][spec]["by_length"][n] for r in runs]
+                    big = [r["large_sample"][spec]["by_length"].get(n, [0, 0])
+                           for r in runs if large]
+                cell = f"{np.mean([c for c, _ in pairs]):.1f} | " + "; ".join(
+                    with_interval(c, t) for c, t in pairs
+                )
+                if large:
+                    cell += " | " + "; ".join(with_interval(c, t) for c, t in big)
+                cells.append(cell)
             label = f"**{n}**" if n == "all" else n
             lines.append(f"| {spec} | {label} | {total} | " + " | ".join(cells) + " |")
     lines += ["", "Answer letters right (greedy, all positions of the answer), per seed:", ""]
@@ -336,12 +445,19 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("experiments/results"))
     p.add_argument("--checkpoints", type=Path, default=Path("experiments/checkpoints"))
     p.add_argument("--load", action="store_true", help="load saved models, skip training")
+    p.add_argument("--large-sample", type=int, default=4000,
+                   help="also test every model on this many fresh strings per test set (0: no)")
+    p.add_argument("--add-large-sample", action="store_true",
+                   help="only add the large sample to an existing reversal_<name>.json "
+                        "(its saved checkpoints are tested; nothing is retrained)")
     args = p.parse_args(argv)
     for name in ("steps", "batch", "n_test"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.cache_prompts < 0:
-        p.error("--cache-prompts must be >= 0")
+    if args.cache_prompts < 0 or args.large_sample < 0:
+        p.error("--cache-prompts and --large-sample must be >= 0")
+    if args.add_large_sample and args.large_sample == 0:
+        p.error("--add-large-sample needs --large-sample > 0")
     try:
         args.train_lengths_text = args.train_lengths
         args.train_lengths = data.parse_lengths(args.train_lengths)
@@ -352,11 +468,47 @@ def parse_args(argv=None):
     return args
 
 
+def add_large_sample(args) -> dict:
+    """Test the checkpoints of an existing `reversal_<name>.json` on the large sample and
+    rewrite its JSON (every earlier count kept; the command made repository-relative), its
+    table and its figure."""
+    stem = args.out / f"reversal_{args.name}"
+    result = json.loads(stem.with_suffix(".json").read_text())
+    result["command"] = " ".join(map(_relative, result["command"].split(" ")))
+    settings = result["settings"]
+    start = time.perf_counter()
+    samples = make_large_sample(settings["test_lengths"], args.large_sample)
+    for kind, runs in result["runs"].items():
+        for run in runs:
+            model = eqrope.load(checkpoint_dir(args, kind, run["seed"]))
+            run["large_sample"] = {spec: exact_matches(model, s) for spec, s in samples.items()}
+            print(f"{kind} seed {run['seed']}: " + ", ".join(
+                f"{spec}: {with_interval(t['correct'], t['total'])}"
+                for spec, t in run["large_sample"].items()
+            ), flush=True)
+    settings["large_sample"] = {"n": args.large_sample, "seed": LARGE_SAMPLE_SEED}
+    result["large_sample_command"] = repo_command()
+    result["large_sample_seconds"] = round(time.perf_counter() - start, 1)
+    write_outputs(result, stem)
+    return result
+
+
+def write_outputs(result: dict, stem: Path) -> str:
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown_table(result)
+    stem.with_suffix(".md").write_text(table)
+    plot(result, stem.with_suffix(".png"))
+    return table
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.add_large_sample:
+        return add_large_sample(args)
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     tests = make_test_sets(args)
+    samples = make_large_sample(args.test_lengths, args.large_sample) if args.large_sample else {}
     settings = {
         "models": args.models,
         "seeds": args.seeds,
@@ -375,7 +527,9 @@ def main(argv=None) -> dict:
         "vocab": {"letters": "ids 0-9 (a-j)", "SEP": data.SEP, "PAD": data.PAD},
         "loaded": args.load,
     }
-    result = {"name": args.name, "command": " ".join(["python", *sys.argv]), "settings": settings, "runs": {}}
+    if samples:
+        settings["large_sample"] = {"n": args.large_sample, "seed": LARGE_SAMPLE_SEED}
+    result = {"name": args.name, "command": repo_command(), "settings": settings, "runs": {}}
     for kind in args.models:
         result["runs"][kind] = []
         for seed in args.seeds:
@@ -383,6 +537,8 @@ def main(argv=None) -> dict:
             run = {"seed": seed, "params": eqrope.count_params(model), **info, "tests": {}}
             for spec, strings in tests.items():
                 run["tests"][spec] = evaluate(model, strings)
+            if samples:
+                run["large_sample"] = {spec: exact_matches(model, s) for spec, s in samples.items()}
             run["cache_equal"] = cache_equality(model, args.cache_prompts, seed=10_000 + seed)
             summary = ", ".join(f"{s}: {t['correct']}/{t['total']}" for s, t in run["tests"].items())
             print(
@@ -392,13 +548,9 @@ def main(argv=None) -> dict:
             )
             result["runs"][kind].append(run)
     result["wall_seconds"] = round(time.perf_counter() - start, 1)
-    stem = args.out / f"reversal_{args.name}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown_table(result)
-    stem.with_suffix(".md").write_text(table)
-    plot(result, stem.with_suffix(".png"))
+    table = write_outputs(result, args.out / f"reversal_{args.name}")
     print(table)
-    print(f"wrote {stem}.json, .md, .png in {result['wall_seconds']} s")
+    print(f"wrote {args.out / f'reversal_{args.name}'}.json, .md, .png in {result['wall_seconds']} s")
     return result
 
 

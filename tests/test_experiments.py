@@ -1,6 +1,7 @@
 """The textbook experiments in experiments/: the data generator, and the scripts at reduced
 size (marked `experiment`: they train small models in a subprocess)."""
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -24,6 +25,14 @@ def load_data_module():
 
 
 data = load_data_module()
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    """`reversal` and `extrapolation_markov` as modules (they import siblings by name)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXPERIMENTS))
+        yield importlib.import_module("reversal"), importlib.import_module("extrapolation_markov")
 
 
 # -- the data, checked by hand -------------------------------------------------------------
@@ -82,6 +91,57 @@ def test_parse_lengths():
         data.parse_lengths("three")
 
 
+def test_wilson_interval_by_hand(scripts):
+    reversal, _ = scripts
+    z2 = 1.959964**2
+    # 0 of n: the interval is [0, z^2 / (n + z^2)].
+    low, high = reversal.wilson(0, 500)
+    assert low < 1e-12 and high == pytest.approx(z2 / (500 + z2), rel=1e-12)
+    # 3 of 500: centre (p + z^2/2n) / (1 + z^2/n) = 0.0097664, half-width
+    # z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n) = 0.0077238.
+    assert reversal.wilson(3, 500) == pytest.approx((0.0020426, 0.0174902), abs=1e-7)
+    # k of n and n - k of n mirror each other.
+    low, high = reversal.wilson(67, 4000)
+    assert (1 - high, 1 - low) == pytest.approx(reversal.wilson(4000 - 67, 4000), abs=1e-12)
+    assert reversal.with_interval(3, 500) == "3/500 (0.2–1.7%)"
+    assert reversal.with_interval(500, 500) == "500/500 (99.2–100.0%)"
+
+
+def test_commands_are_recorded_relative_to_the_repository(scripts):
+    reversal, _ = scripts
+    argv = [str(EXPERIMENTS / "reversal.py"), "--out", "/tmp/elsewhere",
+            "--checkpoints", str(EXPERIMENTS / "checkpoints"), "--name", "x"]
+    assert reversal.repo_command(argv) == (
+        "python experiments/reversal.py --out /tmp/elsewhere --checkpoints "
+        "experiments/checkpoints --name x"
+    )
+    for path in (ROOT / "experiments" / "results").glob("*.json"):
+        record = json.loads(path.read_text())
+        for key in ("command", "large_sample_command"):
+            assert not [a for a in record.get(key, "").split() if a.startswith("/")], path
+
+
+def test_markov_language_is_stationary_and_its_floor_is_its_entropy(scripts):
+    _, markov = scripts
+    chain = markov.make_chain()
+    np.testing.assert_allclose(chain.probs.sum(-1), 1.0, rtol=1e-12)
+    # One step of the pair chain (a, b) -> (b, c) maps the start distribution to itself.
+    np.testing.assert_allclose(np.einsum("ab,abc->bc", chain.start, chain.probs), chain.start,
+                               atol=1e-12)
+    x = markov.sample(chain, np.random.default_rng(0), 20_000, 42)
+    assert x.dtype == np.int32 and x.min() >= 0 and x.max() < markov.VOCAB_SIZE
+    # The same pair statistics at the start and 40 positions on (sd of each cell < 0.002).
+    for t in (0, 40):
+        freq = np.bincount(x[:, t] * 16 + x[:, t + 1], minlength=256) / len(x)
+        assert np.abs(freq - chain.start.ravel()).max() < 0.01
+    # The floor is the mean surprise of the true next-token probabilities.
+    surprise = -np.log(chain.probs[x[:, :-2], x[:, 1:-1], x[:, 2:]])
+    assert abs(surprise.mean() - markov.entropy_rate(chain)) < 0.01
+    first = -np.log(np.einsum("ab,abc->bc", chain.start, chain.probs)
+                    / chain.start.sum(0)[:, None])[x[:, 0], x[:, 1]]
+    assert abs(first.mean() - markov.floor_by_position(chain, 2)[0]) < 0.02
+
+
 # -- the scripts at reduced size -----------------------------------------------------------
 
 
@@ -118,13 +178,15 @@ def test_rope_check_script(tmp_path):
 def test_reversal_script_learns_and_reloads(tmp_path):
     out, checkpoints = tmp_path / "out", tmp_path / "ckpt"
     common = ["--name", "ci", "--seeds", "0", "--n-test", "40", "--cache-prompts", "40",
-              "--out", str(out), "--checkpoints", str(checkpoints)]
+              "--large-sample", "40", "--out", str(out), "--checkpoints", str(checkpoints)]
     # The full run uses lr 1e-3 over 1,500 steps; a 300-step run learns faster with 3e-3.
     run_script("reversal.py", "--steps", "300", "--lr", "3e-3", *common)
     result = json.loads((out / "reversal_ci.json").read_text())
     assert set(result["runs"]) == {"rotary", "learned"}
     assert (out / "reversal_ci.png").stat().st_size > 10_000
-    assert "| 3-8 | **all** | 40 |" in (out / "reversal_ci.md").read_text()
+    table = (out / "reversal_ci.md").read_text()
+    assert "| 3-8 | **all** | 40 |" in table and "40 fresh strings, per seed" in table
+    assert result["command"].startswith("python experiments/reversal.py --steps 300")
     for kind, params in (("rotary", 101_644), ("learned", 103_244)):
         (run,) = result["runs"][kind]
         assert run["params"] == params
@@ -139,6 +201,8 @@ def test_reversal_script_learns_and_reloads(tmp_path):
         assert seen["correct"] >= 4  # 10% exact matches; chance is below 1e-3
         # The cache must not change a single greedy token.
         assert run["cache_equal"] == [40, 40]
+        big = run["large_sample"]["3-8"]
+        assert big["total"] == sum(c[1] for c in big["by_length"].values()) == 40
 
     # --load skips training and must give the same answers on the same test strings.
     run_script("reversal.py", "--load", "--models", "rotary", "--name", "ci", "--seeds", "0",
@@ -147,3 +211,44 @@ def test_reversal_script_learns_and_reloads(tmp_path):
     reloaded = json.loads((tmp_path / "reloaded" / "reversal_ci.json").read_text())
     assert reloaded["settings"]["loaded"] is True
     assert reloaded["runs"]["rotary"][0]["tests"] == result["runs"]["rotary"][0]["tests"]
+
+
+@pytest.mark.experiment
+def test_extrapolation_script_and_reload(tmp_path):
+    checkpoints = ["--checkpoints", str(tmp_path / "ckpt")]
+    common = ["--seeds", "0", "--n-per-length", "16", "--finetune-methods", "yarn:2",
+              "--finetune-steps", "3", "--markov-steps", "3", "--markov-eval", "8",
+              "--markov-methods", "none", *checkpoints]
+    run_script("extrapolation.py", "--lengths", "8", "--methods", "none", "dynamic:2",
+               "--out", str(tmp_path / "out"), *common)
+    record = json.loads((tmp_path / "out" / "extrapolation.json").read_text())
+    results = record["results"]
+    assert record["command"].startswith("python experiments/extrapolation.py --lengths 8 ")
+    for name in ("extrapolation.png", "extrapolation_markov.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 10_000
+    assert "## Reversal, no retraining" in (tmp_path / "out" / "extrapolation.md").read_text()
+    reversal = [r for r in results if r["task"] == "reversal"]
+    assert {(r["method"], r["factor"], r["finetune"], r["length"]) for r in reversal} == {
+        ("none", 1.0, False, 8), ("dynamic", 2.0, False, 8), ("yarn", 2.0, True, 8)
+    }
+    fields = {"task", "method", "factor", "finetune", "seed", "length", "correct", "total"}
+    assert all(set(r) == fields and r["total"] == 16 for r in reversal)
+    # The chapter's model reverses every string of its longest training length, and dynamic
+    # changes nothing there (17 tokens = original_max_len).
+    at8 = {r["method"]: r["correct"] for r in reversal if r["length"] == 8 and not r["finetune"]}
+    assert at8 == {"none": 16, "dynamic": 16}
+    markov = [r for r in results if r["task"] == "markov"]
+    assert {(r["method"], r["position"]) for r in markov} == {
+        (m, p) for m in ("learned", "none") for p in range(128)
+    }
+    assert all(0 < r["loss"] < 10 and r["total"] == 8 for r in markov)
+    for name in ("reversal_yarn2_seed0", "markov_rotary_seed0", "markov_learned_seed0"):
+        assert (tmp_path / "ckpt" / "extrapolation" / name / "model.safetensors").is_file()
+
+    # --load reads the fine-tuned model back (the Markov models go through the same
+    # saved_or_trained): the same records.
+    run_script("extrapolation.py", "--load", "--arms", "finetune", "--lengths", "8",
+               "--out", str(tmp_path / "reloaded"), *common)
+    reloaded = json.loads((tmp_path / "reloaded" / "extrapolation.json").read_text())
+    assert reloaded["settings"]["loaded"] is True
+    assert reloaded["results"] == [r for r in results if r["finetune"]]
