@@ -150,8 +150,12 @@ class RotaryDecoder(eqx.Module):
         indices = jnp.arange(n_blocks, dtype=jnp.int32)
         x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices, self._windows()))
         x = norm_rows(self.final_norm, x)
-        head = self.embed.T if self.head is None else self.head
-        logits = x @ head
+        if self.head is None:
+            # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
+            # copy the transposed (vocab, d_model) table, on every step or held in memory.
+            logits = jax.lax.dot_general(x, self.embed, (((1,), (1,)), ((), ())))
+        else:
+            logits = x @ self.head
         if self.head_bias is not None:
             logits = logits + self.head_bias
         return logits, keys, values
