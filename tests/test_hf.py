@@ -546,11 +546,14 @@ def hf_lib():
     return transformers, torch
 
 
-def _hf_random_model(hf_lib, hf: dict, seed: int = 0):
+def _hf_random_model(hf_lib, hf: dict, seed: int = 0, classes=("LlamaConfig", "LlamaForCausalLM")):
+    """transformers' model (`classes`: its config and model class names) with every
+    weight drawn at random, norms and biases around 1 rather than at their init."""
     transformers, torch = hf_lib
+    config_cls, model_cls = (getattr(transformers, name) for name in classes)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**hf, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config = config_cls(**hf, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = model_cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))

@@ -24,6 +24,7 @@ import safetensors.numpy
 import eqrope
 import eqrope.testing
 from eqrope import AttentionOptions
+from test_hf import _hf_logits, _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
 
 
 def _model(attention, *, n_kv_heads=2, seed=0, **kwargs):
@@ -220,29 +221,8 @@ CLASSES = {
 }
 
 
-@pytest.fixture(scope="module")
-def hf_lib():
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    return transformers, torch
-
-
 def _theirs(hf_lib, family, extra, seed=0):
-    transformers, torch = hf_lib
-    config_cls, model_cls = (getattr(transformers, n) for n in CLASSES[family])
-    config = config_cls(**SIZES, **extra, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
-    return model
-
-
-def _their_logits(hf_lib, model, ids):
-    _, torch = hf_lib
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids))[None]).logits[0].double().numpy()
+    return _hf_random_model(hf_lib, {**SIZES, **extra}, seed, classes=CLASSES[family])
 
 
 def _ids(n, seed):
@@ -260,7 +240,7 @@ def test_family_against_transformers(tmp_path, hf_lib, name, record_property):
     assert ours.config.dtype == "float32"
 
     ids = _ids(64, seed=1)
-    expected = _their_logits(hf_lib, theirs, ids)
+    expected = _hf_logits(hf_lib, theirs, ids)
     got = np.asarray(eqx.filter_jit(ours)(jnp.asarray(ids, jnp.int32)))
     rel = np.abs(got - expected).max() / np.abs(expected).max()
     record_property("max_rel_logit_diff", float(rel))
@@ -301,7 +281,7 @@ def test_export_loads_in_transformers(tmp_path, hf_lib, name):
     assert type(loaded).__name__ == CLASSES[family][1]
     ids = _ids(64, seed=4)
     ours = np.asarray(eqx.filter_jit(model)(jnp.asarray(ids, jnp.int32)))
-    expected = _their_logits(hf_lib, loaded, ids)
+    expected = _hf_logits(hf_lib, loaded, ids)
     assert np.abs(ours - expected).max() / np.abs(expected).max() < 1e-4
 
 
@@ -322,13 +302,13 @@ def test_dtype_and_max_len(tmp_path, hf_lib):
     ids = _ids(32, seed=5)
     # (Not `theirs.float()`: its rotary buffer was rounded to bfloat16 on the way down.)
     upcast = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    expected = _their_logits(hf_lib, upcast.eval(), ids)
+    expected = _hf_logits(hf_lib, upcast.eval(), ids)
     got = np.asarray(wide(jnp.asarray(ids, jnp.int32)))
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4
     # In bfloat16 the error is rounding, so it is set against transformers' own in bfloat16.
     low = np.asarray(kept(jnp.asarray(ids, jnp.int32)).astype(jnp.float32), np.float64)
     their_low = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
-    their_error = np.abs(_their_logits(hf_lib, their_low.eval(), ids) - expected).mean()
+    their_error = np.abs(_hf_logits(hf_lib, their_low.eval(), ids) - expected).mean()
     our_error = np.abs(low - expected).mean()
     print(f"bfloat16 mean |logit error|: eqrope {our_error:.3g}, transformers {their_error:.3g}")
     assert our_error < 1.5 * their_error
