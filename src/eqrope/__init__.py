@@ -14,6 +14,7 @@ from ._hf_import import from_hf as from_hf, from_hf_llama as from_hf_llama
 from ._mesh import make_mesh as make_mesh
 from ._mlp import GeluMLP as GeluMLP, SwiGLU as SwiGLU
 from ._params import count_params as count_params
+from ._prompt_lookup import PromptLookup as PromptLookup
 from ._rope import apply_rope as apply_rope, rope_inv_freq as rope_inv_freq
 from ._sharding import (
     ShardingRules as ShardingRules,

@@ -14,6 +14,7 @@ log-probabilities) the loop is a `lax.scan` over the cache length instead, whose
 iterations are skipped with a `lax.cond`.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -30,11 +31,9 @@ from ._stopping import ends_with_stop
 from ._stream import emit
 
 
-class DecodeState(eqx.Module):
-    """The carry of the decode loop, for a batch of rows.
+class TextState(eqx.Module):
+    """The text of each row of a batch, and the bookkeeping that comes with it.
 
-    - `cache`: the batched [`eqrope.KVCache`][], rows `0 .. pos - 1` of each row filled.
-    - `logits`: float32 logits for the token at `pos` of each row.
     - `pos`: where each row's next token goes.
     - `n_new`: tokens generated so far per row.
     - `done`: rows that have stopped (EOS, a stop sequence, `max_new`, or the cache is
@@ -46,8 +45,6 @@ class DecodeState(eqx.Module):
     - `nonfinite`: rows stopped because their logits held a NaN or an infinity.
     """
 
-    cache: KVCache
-    logits: Float[Array, "batch vocab"]
     pos: Int[Array, " batch"]
     n_new: Int[Array, " batch"]
     done: Bool[Array, " batch"]
@@ -58,25 +55,102 @@ class DecodeState(eqx.Module):
     nonfinite: Bool[Array, " batch"]
 
 
+class DecodeState(eqx.Module):
+    """The carry of the decode loop: the batched [`eqrope.KVCache`][] (rows `0 .. pos - 1`
+    of each row filled), the float32 `logits` for the token at each row's `pos`, and the
+    `text`."""
+
+    cache: KVCache
+    logits: Float[Array, "batch vocab"]
+    text: TextState
+
+
+def start_text(
+    buffer: Int[Array, "batch max_len"], lengths: Int[Array, " batch"], history: History, max_new
+) -> TextState:
+    """The text state before the first new token: each row's prompt, nothing generated."""
+    batch, max_len = buffer.shape
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    return TextState(
+        pos=lengths,
+        n_new=jnp.zeros((batch,), jnp.int32),
+        done=(max_new <= 0) | (lengths >= max_len),
+        history=history,
+        tokens=buffer,
+        logprobs=zeros((batch, max_len)),
+        model_logprobs=zeros((batch, max_len)),
+        nonfinite=jnp.zeros((batch,), jnp.bool_),
+    )
+
+
+def check_logits(text: TextState, logits: Float[Array, "batch vocab"], active: Bool[Array, " batch"]):
+    """Stop and flag each `active` row whose logits hold a NaN or an infinity; the caller
+    raises. **Returns:** `(text, active)` with those rows done and no longer active."""
+    bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
+    text = dataclasses.replace(text, done=text.done | bad, nonfinite=text.nonfinite | bad)
+    return text, active & ~bad
+
+
+def commit(
+    text: TextState, tok, lp, own, active: Bool[Array, " batch"], max_new, sampling: Sampling, listener
+) -> TextState:
+    """Write each `active` row's token `tok` (with its log-probabilities `lp` and `own`) at
+    its `pos`, and advance the row; the other rows are unchanged.
+
+    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
+    tokens before this one, after `max_new` new tokens, or when the cache is full.
+    """
+    batch, max_len = text.tokens.shape
+    pos, rows = text.pos, jnp.arange(batch)
+
+    def write(buffer, value):
+        return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
+
+    tokens = write(text.tokens, tok)
+    if listener is not None:
+        emit(listener, tok, pos, active)
+    n_new = text.n_new + active.astype(jnp.int32)
+    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
+    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
+    may_end = text.n_new >= sampling.min_new
+    ends = (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
+    return TextState(
+        pos=jnp.where(active, pos + 1, pos),
+        n_new=n_new,
+        done=text.done | (active & ends),
+        history=jax.vmap(record)(text.history, tok, active),
+        tokens=tokens,
+        logprobs=write(text.logprobs, lp),
+        model_logprobs=write(text.model_logprobs, own),
+        nonfinite=text.nonfinite,
+    )
+
+
+def split_model(model):
+    """`(arrays, structure)` for a compiled program: when every leaf of `model` (any
+    pytree) is an array, the flat leaves beside the (hashable) tree structure, skipping
+    `eqx.partition`'s tree walks; otherwise `eqx.partition`'s two halves."""
+    leaves, treedef = jax.tree.flatten(model)
+    if all(isinstance(leaf, jax.Array) for leaf in leaves):
+        return leaves, treedef
+    return eqx.partition(model, eqx.is_array)
+
+
+def rebuild(arrays, structure):
+    """The model `split_model` split."""
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        return jax.tree.unflatten(structure, arrays)
+    return eqx.combine(arrays, structure)
+
+
 def generate_cached(model, *args, **static):
     """`decode_program`, compiled, called with the model's arrays as arguments.
 
     Like `eqx.filter_jit`, but cheaper per call for the small models whose generation is
-    dominated by fixed costs: when every leaf of the model is an array, the leaves go to
-    `jax.jit` as a flat list beside the (hashable) tree structure, skipping
-    `eqx.partition`'s tree walks. Other models are partitioned as `eqx.filter_jit` does.
+    dominated by fixed costs (see `split_model`).
     """
-    leaves, treedef = jax.tree.flatten(model)
-    if all(isinstance(leaf, jax.Array) for leaf in leaves):
-        return generate_program(leaves, *args, structure=treedef, **static)
-    arrays, rest = eqx.partition(model, eqx.is_array)
-    return generate_program(arrays, *args, structure=rest, **static)
-
-
-def _rebuild(arrays, structure):
-    if isinstance(structure, jax.tree_util.PyTreeDef):
-        return jax.tree.unflatten(structure, arrays)
-    return eqx.combine(arrays, structure)
+    arrays, structure = split_model(model)
+    return generate_program(arrays, *args, structure=structure, **static)
 
 
 @functools.partial(
@@ -87,7 +161,23 @@ def _rebuild(arrays, structure):
     ),
 )
 def generate_program(arrays, *args, structure, **static):
-    return decode_program(_rebuild(arrays, structure), *args, **static)
+    return decode_program(rebuild(arrays, structure), *args, **static)
+
+
+def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
+    """The prefill of a generate program: the batched cache, the float32 logits at each
+    row's last prompt token, and the prompts' histories, each repeated `samples` times
+    (sample-minor) when given. **Returns:** `(cache, logits, buffer, lengths, history)`."""
+    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
+    history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(buffer, lengths)
+    if samples is None:
+        return cache, logits, buffer, lengths, history
+    # One prefill per prompt; its cache rows serve every sample.
+    repeat = functools.partial(jnp.repeat, repeats=samples, axis=0)
+    cache, logits, buffer, lengths, history = jax.tree.map(
+        repeat, (cache, logits, buffer, lengths, history)
+    )
+    return constrain(cache, mesh, rules), logits, buffer, lengths, history
 
 
 def decode_program(
@@ -131,45 +221,28 @@ def decode_program(
     the two log-probabilities of each new token (`eqrope._sampling.choose_token`), each
     row's end (prompt plus generated tokens), and whether any row met non-finite logits.
     """
-    batch, max_len = buffer.shape
-    keys = row_keys(key, batch, batched, samples)
-    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
-    history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(buffer, lengths)
-    if samples is not None:  # one prefill per prompt; its cache rows serve every sample
-        repeat = functools.partial(jnp.repeat, repeats=samples, axis=0)
-        cache, logits, buffer, lengths, history = jax.tree.map(
-            repeat, (cache, logits, buffer, lengths, history)
-        )
-        cache = constrain(cache, mesh, rules)
-        batch = batch * samples
+    keys = row_keys(key, buffer.shape[0], batched, samples)
+    cache, logits, buffer, lengths, history = prepare(
+        model, buffer, lengths, chunk, samples, mesh, rules
+    )
     listener = stream_id if stream else None
     step = functools.partial(
         decode_step, model, max_new, sampling, keys, listener, check_finite, mesh, rules
     )
-    state = DecodeState(
-        cache=cache,
-        logits=logits,
-        pos=lengths,
-        n_new=jnp.zeros((batch,), jnp.int32),
-        done=(max_new <= 0) | (lengths >= max_len),
-        history=history,
-        tokens=buffer,
-        logprobs=jnp.zeros((batch, max_len), jnp.float32),
-        model_logprobs=jnp.zeros((batch, max_len), jnp.float32),
-        nonfinite=jnp.zeros((batch,), jnp.bool_),
-    )
+    text = start_text(buffer, lengths, history, max_new)
+    state = DecodeState(cache=cache, logits=logits, text=text)
     if differentiable:
 
         def body(state: DecodeState, _):
-            return jax.lax.cond(jnp.any(~state.done), step, lambda s: s, state), None
+            going = jnp.any(~state.text.done)
+            return jax.lax.cond(going, step, lambda s: s, state), None
 
-        state, _ = jax.lax.scan(body, state, None, length=max_len - 1)
+        state, _ = jax.lax.scan(body, state, None, length=buffer.shape[1] - 1)
     else:
-        state = jax.lax.while_loop(lambda s: jnp.any(~s.done), step, state)
+        state = jax.lax.while_loop(lambda s: jnp.any(~s.text.done), step, state)
+    text = state.text
     # Replicated (plain arrays under `constrain`), so every process can read them.
-    outputs = (
-        state.tokens, state.logprobs, state.model_logprobs, state.pos, jnp.any(state.nonfinite)
-    )  # fmt: skip
+    outputs = (text.tokens, text.logprobs, text.model_logprobs, text.pos, jnp.any(text.nonfinite))
     return constrain(outputs, mesh, rules)
 
 
@@ -183,38 +256,19 @@ NON_FINITE = (
 def decode_step(
     model, max_new, sampling: Sampling, keys, listener, check_finite, mesh, rules, state: DecodeState
 ) -> DecodeState:
-    """Sample each unfinished row's token at `pos`, then run the model one step on it.
-
-    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
-    tokens before this one, after `max_new` new tokens, or when the cache is full.
-    """
-    batch, max_len = state.tokens.shape
-    pos, done, logits = state.pos, state.done, state.logits
-    nonfinite = state.nonfinite
+    """Sample each unfinished row's token at `pos` (`commit`), then run the model one step
+    on it."""
+    text = state.text
+    max_len = text.tokens.shape[1]
+    active = ~text.done
     if check_finite:  # a row with a NaN or an inf stops here, flagged, with nothing added
-        nonfinite = nonfinite | (~done & ~jnp.all(jnp.isfinite(logits), axis=-1))
-        done = done | nonfinite
+        text, active = check_logits(text, state.logits, active)
     choose = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
-    tok, lp, own = choose(logits, state.history, state.n_new, keys, pos, sampling)
-    rows = jnp.arange(batch)
-
-    def write(buffer, value):
-        return buffer.at[rows, pos].set(jnp.where(done, buffer[rows, pos], value))
-
-    tokens = write(state.tokens, tok)
-    logprobs, model_logprobs = write(state.logprobs, lp), write(state.model_logprobs, own)
-    if listener is not None:
-        emit(listener, tok, pos, ~done)
-    history = jax.vmap(record)(state.history, tok, ~done)
-    n_new = state.n_new + jnp.where(done, 0, 1).astype(jnp.int32)
-    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
-    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
-    may_end = state.n_new >= sampling.min_new
-    finished = done | (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
-
+    tok, lp, own = choose(state.logits, text.history, text.n_new, keys, text.pos, sampling)
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
-    step_pos = jnp.minimum(pos, max_len - 1)
+    step_pos = jnp.minimum(text.pos, max_len - 1)
+    text = commit(text, tok, lp, own, active, max_new, sampling, listener)
     # Unbatched bounds let every row skip the cache chunks past the batch's furthest
     # position, and with a sliding window those before its nearest position's window (a
     # batched one would make the skip a select).
@@ -223,18 +277,7 @@ def decode_step(
     )
     logits, cache = jax.vmap(step)(tok, state.cache, step_pos)
     cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
-    return DecodeState(
-        cache=cache,
-        logits=logits,
-        pos=jnp.where(done, pos, pos + 1),
-        n_new=n_new,
-        done=finished,
-        history=history,
-        tokens=tokens,
-        logprobs=logprobs,
-        model_logprobs=model_logprobs,
-        nonfinite=nonfinite,
-    )
+    return DecodeState(cache=cache, logits=logits, text=text)
 
 
 def prefill_rows(

@@ -16,9 +16,11 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._checks import check_int, is_concrete
 from ._decode import NON_FINITE, generate_cached
+from ._drafting import check_draft
 from ._generate_args import UNDER_JIT, Request, has_cache_protocol, parse_request
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
 from ._sharding import shard_batch
+from ._speculative import DRAFT_NON_FINITE, run_speculative
 from ._stream import listening
 from ._uncached import generate_uncached
 
@@ -36,6 +38,11 @@ class Generation(eqx.Module):
       distribution at the sampling temperature, `log_softmax(logits / temperature)`
       (temperature 1 when greedy), without penalties, masks or truncation; 0 elsewhere.
     - `lengths`: the number of valid tokens (prompt plus generated) of each row.
+    - `target_steps`: how many times the model ran for each row after the prefill: one
+      step per new token without a draft; with `draft=`, one per round, a round verifying
+      `draft_len` drafted tokens in one pass.
+    - `drafted`, `accepted`: the drafted tokens each row was offered (`draft_len` per
+      round) and how many it kept; 0 without a draft.
 
     With `num_samples`, each field has the samples' axis after the batch's.
     """
@@ -44,6 +51,15 @@ class Generation(eqx.Module):
     logprobs: Float[Array, "*batch total"]
     model_logprobs: Float[Array, "*batch total"]
     lengths: Int[Array, "*batch"]
+    target_steps: Int[Array, "*batch"]
+    drafted: Int[Array, "*batch"]
+    accepted: Int[Array, "*batch"]
+
+    @property
+    def acceptance(self) -> float:
+        """The fraction of drafted tokens accepted, over every row (NaN without drafts)."""
+        drafted = int(np.sum(np.asarray(self.drafted)))
+        return int(np.sum(np.asarray(self.accepted))) / drafted if drafted else float("nan")
 
 
 def generate(
@@ -69,6 +85,9 @@ def generate(
     prompt_lengths=None,
     pad_id: int | None | _FromConfig = FROM_CONFIG,
     on_token: Callable[[int, int, int], object] | None = None,
+    draft=None,
+    draft_len: int | None = None,
+    accept: str | None = None,
     return_logprobs: bool = False,
     check_finite: bool = True,
     prefill_chunk: int = 64,
@@ -141,8 +160,21 @@ def generate(
       of prompt `i`. With `None` the program holds no host callback. A new function does
       not recompile; an exception it raises is raised by `generate` when the program
       returns, and no further tokens are sent to it. Not under `jax.grad` nor `mesh`.
+    - `draft`: speculative decoding (docs/speculative.md). A small model with the cache
+      protocol and the model's vocabulary, or `"prompt_lookup"` (an
+      [`eqrope.PromptLookup`][]: drafts copied from earlier in the text), proposes
+      `draft_len` tokens (default 4) per round, and the model checks them all in one
+      pass. The output is exact: greedy, the tokens are those of plain decoding; sampling,
+      the text is distributed as plain sampling's under every setting above. The program
+      compiles once per cache length and `draft_len`. Cached path only; not under
+      `jax.grad` nor with `mesh`.
+    - `accept`: the rule that keeps or replaces a drafted token when sampling:
+      `"residual"` (the default; Leviathan et al. 2023) keeps the most drafts;
+      `"coupled"` keeps a draft only when it equals the model's own draw with the key, so
+      the text equals plain `generate`'s for the same key (see `eqrope._acceptance`).
     - `return_logprobs`: return a [`eqrope.Generation`][] with both log-probabilities of
-      each token: under the distribution it was sampled from, and under the model.
+      each token: under the distribution it was sampled from, and under the model, and
+      the counters `target_steps`, `drafted` and `accepted`.
     - `check_finite`: raise `FloatingPointError` if the model's logits for a row still
       generating hold a NaN or an infinity, instead of sampling garbage. Inside the
       compiled loop it costs one reduction per step: such a row stops and is flagged, and
@@ -181,6 +213,18 @@ def generate(
     )  # fmt: skip
     if rules is not None and mesh is None:
         raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
+    draft, draft_len, accept = check_draft(model, draft, draft_len, accept, request.max_len)
+    if draft is not None:
+        chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        *outputs, nonfinite, draft_nonfinite, rounds, accepted = run_speculative(
+            model, draft, request, chunk, check_finite, mesh, draft_len, accept
+        )
+        if _to_host(nonfinite):
+            raise FloatingPointError(NON_FINITE)
+        if _to_host(draft_nonfinite):
+            raise FloatingPointError(DRAFT_NON_FINITE)
+        counters = (_to_host(rounds), draft_len * _to_host(rounds), _to_host(accepted))
+        return _finish(request, *outputs, return_logprobs, counters)
     if has_cache_protocol(model):
         chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
         *outputs, nonfinite = _run_cached(model, request, chunk, check_finite, mesh, rules)
@@ -194,10 +238,7 @@ def generate(
 
 
 def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
-    batch, seq = request.prompt.shape
-    buffer = np.zeros((batch, request.max_len), np.int32)
-    buffer[:, :seq] = request.prompt
-    lengths = request.lengths
+    buffer, lengths = request.buffer(), request.lengths
     if mesh is not None:
         buffer, lengths = shard_batch((buffer, lengths), mesh, rules)
     # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
@@ -233,7 +274,9 @@ def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
         return jax.block_until_ready(run(stream_id))
 
 
-def _finish(request: Request, tokens, logprobs, model_logprobs, ends, return_logprobs: bool):
+def _finish(
+    request: Request, tokens, logprobs, model_logprobs, ends, return_logprobs: bool, counters=None
+):
     """Cut the `(rows, max_len)` buffers to `total`, pad after each row's end, shape
     them `(*batch, *samples, total)`, and return the tokens or a [`eqrope.Generation`][].
 
@@ -255,8 +298,12 @@ def _finish(request: Request, tokens, logprobs, model_logprobs, ends, return_log
         (np.asarray(x)[:, :total] if is_concrete(x) else x[:, :total]).reshape(*lead, total)
         for x in (logprobs, model_logprobs)
     ]
-    tokens, logprobs, model_logprobs, ends = jax.device_put((tokens, *both, ends))
-    return Generation(tokens=tokens, logprobs=logprobs, model_logprobs=model_logprobs, lengths=ends)
+    if counters is None:  # one model pass per new token, no drafts
+        new = ends - np.repeat(request.lengths, request.samples or 1).reshape(lead)
+        counters = (new, np.zeros_like(new), np.zeros_like(new))
+    counters = tuple(np.asarray(c, np.int32).reshape(lead) for c in counters)
+    tokens, logprobs, model_logprobs, ends, counters = jax.device_put((tokens, *both, ends, counters))
+    return Generation(tokens, logprobs, model_logprobs, ends, *counters)
 
 
 def _to_host(x) -> np.ndarray:

@@ -43,6 +43,13 @@ class Request:
     samples: int | None = None
     stream: Callable[[int, int, int], object] | None = None
 
+    def buffer(self) -> np.ndarray:
+        """The prompts in `(batch, max_len)` rows, one column per cache row."""
+        batch, seq = self.prompt.shape
+        buffer = np.zeros((batch, self.max_len), np.int32)
+        buffer[:, :seq] = self.prompt
+        return buffer
+
     @property
     def rows(self) -> int:
         """The rows the program decodes: prompts times samples."""
