@@ -4,7 +4,6 @@ Timings are never asserted; the checks compare each derived figure with the raw 
 comes from, and the byte counts with a hand computation from the model's sizes.
 """
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -13,18 +12,7 @@ import subprocess
 import sys
 
 import pytest
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-
-
-def load(name: str):
-    """Import a bench/ module by path (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import BENCH, ROOT, load
 
 
 @pytest.fixture(scope="module")

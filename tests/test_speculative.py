@@ -82,7 +82,11 @@ def test_greedy_equals_plain_on_a_ragged_batch(target, drafts, name, draft_len):
     np.testing.assert_array_equal(plain.target_steps, new)
     # Each round adds 1 to draft_len + 1 tokens.
     assert np.all(steps <= new) and np.all(steps >= np.ceil(new / (draft_len + 1)))
-    np.testing.assert_array_equal(fast.drafted, draft_len * steps)
+    drafted = np.asarray(fast.drafted)
+    assert np.all(drafted <= draft_len * steps) and np.all(accepted <= drafted)
+    # A round offers fewer than draft_len drafts only when fewer tokens remain; those
+    # rounds see distinct remainders (each adds a token), so they miss at most 1 + ... + (k-1).
+    assert np.all(drafted >= draft_len * steps - draft_len * (draft_len - 1) // 2)
     # A round's tokens are its kept drafts, then one more unless a kept draft ended the row.
     slack = accepted - (new - steps)
     assert np.all((slack == 0) | (slack == 1)), slack
@@ -133,7 +137,7 @@ def test_greedy_with_a_trained_draft_equals_plain_and_uncached():
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("draft_len", [2, 4])
 def test_self_draft_accepts_everything(target, draft_len, temperature):
-    max_new = 6 * (draft_len + 1)
+    max_new = 6 * (draft_len + 1) + 1  # the last round is cut short by max_new
     prompt, _ = ragged(1)
     fast = eqrope.generate(
         target, prompt, max_new, draft=target, draft_len=draft_len, temperature=temperature,

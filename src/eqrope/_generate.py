@@ -41,8 +41,10 @@ class Generation(eqx.Module):
     - `target_steps`: how many times the model ran for each row after the prefill: one
       step per new token without a draft; with `draft=`, one per round, a round verifying
       `draft_len` drafted tokens in one pass.
-    - `drafted`, `accepted`: the drafted tokens each row was offered (`draft_len` per
-      round) and how many it kept; 0 without a draft.
+    - `drafted`, `accepted`: the drafted tokens each row was offered and how many it
+      kept; 0 without a draft. A round offers `draft_len` drafts, or as many tokens as
+      the row may still add (`max_new`, the cache) when that is fewer, so a draft that
+      always agrees with the model has every draft accepted.
 
     With `num_samples`, each field has the samples' axis after the batch's.
     """
@@ -216,15 +218,13 @@ def generate(
     draft, draft_len, accept = check_draft(model, draft, draft_len, accept, request.max_len)
     if draft is not None:
         chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-        *outputs, nonfinite, draft_nonfinite, rounds, accepted = run_speculative(
-            model, draft, request, chunk, check_finite, mesh, draft_len, accept
-        )
+        results = run_speculative(model, draft, request, chunk, check_finite, mesh, draft_len, accept)
+        outputs, (nonfinite, draft_nonfinite), counters = results[:4], results[4:6], results[6:]
         if _to_host(nonfinite):
             raise FloatingPointError(NON_FINITE)
         if _to_host(draft_nonfinite):
             raise FloatingPointError(DRAFT_NON_FINITE)
-        counters = (_to_host(rounds), draft_len * _to_host(rounds), _to_host(accepted))
-        return _finish(request, *outputs, return_logprobs, counters)
+        return _finish(request, *outputs, return_logprobs, tuple(map(_to_host, counters)))
     if has_cache_protocol(model):
         chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
         *outputs, nonfinite = _run_cached(model, request, chunk, check_finite, mesh, rules)

@@ -41,13 +41,15 @@ from ._stream import listening
 class SpeculativeState(eqx.Module):
     """The carry of the speculative loop: the target's `cache` and the `draft_cache`
     (`None` for prompt lookup), the `text`, and per row the `rounds` it took part in
-    (target passes), the drafts it `accepted`, and whether the draft's logits were ever
-    non-finite (`draft_nonfinite`)."""
+    (target passes), the drafts it was offered (`drafted`: `k` per round, fewer when
+    fewer tokens may still be added) and `accepted`, and whether the draft's logits were
+    ever non-finite (`draft_nonfinite`)."""
 
     cache: KVCache
     draft_cache: KVCache | None
     text: TextState
     rounds: Int[Array, " batch"]
+    drafted: Int[Array, " batch"]
     accepted: Int[Array, " batch"]
     draft_nonfinite: Bool[Array, " batch"]
 
@@ -92,8 +94,9 @@ def speculative_decode(
     rule.
 
     **Returns:** `(tokens, logprobs, model_logprobs, ends, nonfinite, draft_nonfinite,
-    rounds, accepted)`: `decode_program`'s five, whether any row met non-finite draft
-    logits, and per row the rounds it took part in and the drafts it accepted.
+    rounds, drafted, accepted)`: `decode_program`'s five, whether any row met non-finite
+    draft logits, and per row the rounds it took part in, the drafts it was offered and
+    those it accepted.
     """
     keys = row_keys(key, buffer.shape[0], batched, samples)
     cache, _, prompts, ends, history = prepare(model, buffer, lengths, chunk, samples)
@@ -103,14 +106,14 @@ def speculative_decode(
     text = start_text(prompts, ends, history, max_new)
     rows = text.pos.shape[0]
     zeros = jnp.zeros((rows,), jnp.int32)
-    state = SpeculativeState(cache, draft_cache, text, zeros, zeros, jnp.zeros((rows,), jnp.bool_))
+    state = SpeculativeState(cache, draft_cache, text, zeros, zeros, zeros, jnp.zeros((rows,), jnp.bool_))
     settings = (max_new, sampling, keys, stream_id if stream else None, check_finite, draft_len, rule)
     step = functools.partial(speculative_round, model, draft, *settings)
     state = jax.lax.while_loop(lambda s: jnp.any(~s.text.done), step, state)
     text = state.text
     return (
         text.tokens, text.logprobs, text.model_logprobs, text.pos, jnp.any(text.nonfinite),
-        jnp.any(state.draft_nonfinite), state.rounds, state.accepted,
+        jnp.any(state.draft_nonfinite), state.rounds, state.drafted, state.accepted,
     )  # fmt: skip
 
 
@@ -163,7 +166,10 @@ def speculative_round(
     carry = (text, active, state.accepted)
     (text, _, accepted), _ = jax.lax.scan(position, carry, jnp.arange(k + 1, dtype=jnp.int32))
     rounds = state.rounds + active.astype(jnp.int32)
-    return SpeculativeState(cache, draft_cache, text, rounds, accepted, draft_nonfinite)
+    # Drafts that could be kept: no more than the tokens the row may still add.
+    room = jnp.minimum(max_new - state.text.n_new, max_len - pos)
+    drafted = state.drafted + jnp.where(active, jnp.clip(room, 0, k), 0).astype(jnp.int32)
+    return SpeculativeState(cache, draft_cache, text, rounds, drafted, accepted, draft_nonfinite)
 
 
 def _verify(model, cache: KVCache, tokens, pos, drafts):
