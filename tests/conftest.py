@@ -1,3 +1,5 @@
+import gc
+
 import jax
 import pytest
 
@@ -12,3 +14,28 @@ def precision(request):
     """
     with jax.enable_x64(request.param == "x64"):
         yield request.param
+
+
+# Linux allows a process 65,530 memory mappings (vm.max_map_count), and each program XLA
+# compiles for the CPU holds hundreds of them (a small `generate` program about 570) for
+# as long as JAX caches it. A test worker that runs half the suite compiles thousands of
+# programs and would pass the limit, and XLA then crashes the worker (a segfault or an
+# abort inside a compile). Past a threshold, JAX's caches are cleared between modules;
+# nothing in a module is cleared under it, so compile counts inside a module still hold.
+MAPPINGS_BEFORE_CLEARING = 25_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    if _mappings() > MAPPINGS_BEFORE_CLEARING:
+        jax.clear_caches()
+        gc.collect()

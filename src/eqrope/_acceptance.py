@@ -25,32 +25,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ._processors import truncate
-from ._sampling import Sampling
+from ._sampling import Sampling, draw
 
 
 RULES = ("residual", "coupled")
-
-
-def draw(
-    processed: Float[Array, " vocab"], key: Key[Array, ""], position: Int[Array, ""], sampling: Sampling
-) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
-    """The token at `position` from processed logits, as `eqrope._sampling.sample_token`
-    chooses it (the same draw for the same logits and key), and the log-probabilities of
-    the distribution it was drawn from: greedy, the argmax and `log_softmax(processed)`;
-    sampling, `log_softmax` of the scaled and truncated logits."""
-    temperature = jnp.asarray(sampling.temperature)
-
-    def greedy(_):
-        return jnp.argmax(processed).astype(jnp.int32), jax.nn.log_softmax(processed)
-
-    def sample(_):
-        scaled = processed / temperature.astype(jnp.float32)
-        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
-        token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
-        return token.astype(jnp.int32), jax.nn.log_softmax(filtered)
-
-    return jax.lax.cond(temperature > 0, sample, greedy, None)
 
 
 def judge(
@@ -63,7 +41,8 @@ def judge(
     sampling: Sampling,
     rule: str,
 ) -> tuple[Int[Array, ""], Float[Array, ""], Bool[Array, ""]]:
-    """The token at `position` of one row, given the target's processed logits there.
+    """The token at `position` of one row, given the target's processed float32 logits
+    there.
 
     `drafted` is the draft's token and `draft_logq` the log-probabilities it was drawn
     from (`None`: a point mass, prompt lookup). Where `is_draft` is false (the position

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ._acceptance import RULES, draw
+from ._acceptance import RULES
 from ._cache import KVCache
 from ._checks import check_int
 from ._generate_args import has_cache_protocol
 from ._processors import History, record
 from ._prompt_lookup import PromptLookup
-from ._sampling import Sampling, process_logits
+from ._sampling import Sampling, draw, process_logits
 
 
 def check_draft(model, draft, draft_len, accept, max_len: int):
@@ -93,7 +93,7 @@ def model_drafts(
 ]:
     """Draft `draft_len` tokens per row at `pos ..` with the draft model.
 
-    Each drafted token is drawn (`eqrope._acceptance.draw`) from the draft's logits after
+    Each drafted token is drawn (`eqrope._sampling.draw`) from the draft's logits after
     the processors of the call, with the history of the tokens drafted before it, and the
     row's key at its position.
 

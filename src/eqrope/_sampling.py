@@ -93,27 +93,38 @@ def sample_token(
     """Sample the token at `position` of a row whose key is `key`; `temperature == 0` is
     greedy.
 
-    The draw uses `jax.random.fold_in(key, position)`, derived only when sampling: greedy
-    decoding spends nothing on keys. Sampling divides by the temperature, then truncates
-    with top-k, top-p and min-p (`eqrope._processors.truncate`).
-
     **Returns:** `(token, logprob)`, `logprob` the token's log-probability under the
-    distribution it was chosen from: the scaled and truncated one when sampling, the
-    softmax of `logits` when greedy.
+    distribution it was chosen from (see `draw`).
     """
-    logits = logits.astype(jnp.float32)
+    token, logprobs = draw(logits.astype(jnp.float32), key, position, sampling)
+    return token, logprobs[token]
+
+
+def draw(
+    logits: Float[Array, " vocab"],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
+    sampling: Sampling,
+) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
+    """The token at `position` from float32 (processed) logits, and the log-probabilities
+    of the distribution it was chosen from.
+
+    Greedy: the argmax, and `log_softmax(logits)`. Sampling: the logits are divided by
+    the temperature and truncated with top-k, top-p and min-p
+    (`eqrope._processors.truncate`), and the token is drawn with
+    `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
+    spends nothing on keys); the log-probabilities are those of the truncated logits.
+    """
     temperature = jnp.asarray(sampling.temperature)
 
     def greedy(_):
-        token = jnp.argmax(logits).astype(jnp.int32)
-        return token, jax.nn.log_softmax(logits)[token]
+        return jnp.argmax(logits).astype(jnp.int32), jax.nn.log_softmax(logits)
 
     def sample(_):
         scaled = logits / temperature.astype(jnp.float32)
         filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
-        draw = jax.random.fold_in(key, position)
-        token = jax.random.categorical(draw, filtered).astype(jnp.int32)
-        return token, jax.nn.log_softmax(filtered)[token]
+        token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
+        return token.astype(jnp.int32), jax.nn.log_softmax(filtered)
 
     # A real branch, not a select: greedy decoding skips the sort and the random draw.
     return jax.lax.cond(temperature > 0, sample, greedy, None)
