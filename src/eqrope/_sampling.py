@@ -79,9 +79,18 @@ def choose_token(
     """
     logits = logits.astype(jnp.float32)
     token, logprob = sample_token(process_logits(logits, history, n_new, sampling), key, position, sampling)
+    return token, logprob, model_logprob(logits, token, sampling)
+
+
+def model_logprob(
+    logits: Float[Array, " vocab"], token: Int[Array, ""], sampling: Sampling
+) -> Float[Array, ""]:
+    """`token`'s log-probability under the model's own distribution at the sampling
+    temperature, `log_softmax(logits / temperature)[token]` (temperature 1 when greedy),
+    without penalties, masks or truncation."""
     temperature = jnp.asarray(sampling.temperature).astype(jnp.float32)
-    own = logits / jnp.where(temperature > 0, temperature, 1.0)
-    return token, logprob, jax.nn.log_softmax(own)[token]
+    own = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    return jax.nn.log_softmax(own)[token]
 
 
 def sample_token(

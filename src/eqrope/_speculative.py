@@ -34,7 +34,7 @@ from ._decode import TextState, check_logits, commit, prepare, rebuild, split_mo
 from ._drafting import model_drafts
 from ._generate_args import Request
 from ._prompt_lookup import PromptLookup, lookup_drafts
-from ._sampling import Sampling, process_logits, row_keys
+from ._sampling import Sampling, model_logprob, process_logits, row_keys
 from ._stream import listening
 
 
@@ -157,8 +157,7 @@ def speculative_round(
         else:
             judged = jax.vmap(functools.partial(decide, is_draft=is_draft))
             token, lp, kept = judged(processed, keys, text.pos, drafts[:, slot], q)
-        temperature = jnp.asarray(sampling.temperature).astype(jnp.float32)
-        own = jax.nn.log_softmax(here / jnp.where(temperature > 0, temperature, 1.0))[rows, token]
+        own = jax.vmap(model_logprob, in_axes=(0, 0, None))(here, token, sampling)
         text = commit(text, token, lp, own, going, max_new, sampling, listener)
         accepted = accepted + (going & kept).astype(jnp.int32)
         return (text, going & kept, accepted), None
