@@ -24,7 +24,7 @@ from _roofline import fresh_cache
 from _timing import log, time_call, without_result
 
 
-from eqrope._uncached import uncached_bucket  # descriptive only
+from eqrope.generation._uncached import uncached_bucket  # descriptive only
 
 
 # The seed's protocol; identical in every mode except --tiny, which shortens it.

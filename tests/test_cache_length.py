@@ -13,7 +13,7 @@ import pytest
 import eqrope
 from _compiles import counting
 from _models import random_model
-from eqrope._generate_args import cache_rows
+from eqrope.generation._request import cache_rows
 from test_generate import CACHE_ROWS, EXECUTED, CountingDecoder
 
 

@@ -631,7 +631,7 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
         buffer,
         np.array([5], np.int32),
         i32(4),
-        eqrope._sampling.Sampling(
+        eqrope.generation._sampling.Sampling(
             temperature=jnp.asarray(0.0, jnp.float32),
             top_k=i32(VOCAB),
             top_p=jnp.asarray(1.0, jnp.float32),

@@ -194,7 +194,7 @@ def test_pairing_permutation_turns_rotate_half_into_interleaved(head_dim, base):
     k = rng.standard_normal((seq, n_heads, head_dim)).astype(np.float32)
     positions = np.arange(seq) * 7
     inv_freq = np.asarray(eqrope.rope_inv_freq(head_dim, base), np.float64)
-    perm = eqrope._hf.pairing_permutation(1, head_dim)
+    perm = eqrope.weights._hf.pairing_permutation(1, head_dim)
     half = head_dim // 2
     assert perm.tolist() == [j for i in range(half) for j in (i, i + half)]
 
@@ -233,7 +233,7 @@ def test_import_matches_numpy_llama(tmp_path, name, monkeypatch):
 def test_llama3_rates_follow_meta_rule():
     """eqrope's llama3 rescaling against Meta's loop, with every regime present."""
     hf = {"model_type": "llama", **BASE, **CONFIGS["llama3"]}
-    scaling = eqrope._hf_config.decoder_config(hf, "test", "float32", None).rope_scaling
+    scaling = eqrope.weights._hf_config.decoder_config(hf, "test", "float32", None).rope_scaling
     for head_dim in (16, 64, 128):
         ref = reference_inv_freq(head_dim, hf)
         base = reference_inv_freq(head_dim, {})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eqrope
-from eqrope._cache import quantize_rows
+from eqrope.model._cache import quantize_rows
 
 
 def test_quantize_rows_by_hand():

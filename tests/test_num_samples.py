@@ -13,8 +13,8 @@ import eqrope
 from _compiles import counting
 from _models import random_model
 from eqrope import _decode
-from eqrope._generate_args import parse_request
-from eqrope._generation_config import GenerationConfig
+from eqrope.generation._request import parse_request
+from eqrope.generation._generation_config import GenerationConfig
 from eqrope.testing import Uncached
 from test_generate import EXECUTED, CountingDecoder, all_eqns
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqrope._processors import History, penalize, suppress, truncate
-from eqrope._sampling import Sampling, process_logits
+from eqrope.generation._processors import History, penalize, suppress, truncate
+from eqrope.generation._sampling import Sampling, process_logits
 
 
 CASES = 240

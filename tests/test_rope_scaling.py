@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import eqrope
-from eqrope._hf_config import decoder_config
-from eqrope._rope import rope_attention_factor
+from eqrope.weights._hf_config import decoder_config
+from eqrope.model._rope import rope_attention_factor
 from test_hf import (  # noqa: F401 (hf_lib is a fixture)
     BASE,
     _eqrope_model,

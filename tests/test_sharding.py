@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 import eqrope
 import eqrope.testing
-from eqrope._weights import WEIGHTS, axis_counts
+from eqrope.weights._table import WEIGHTS, axis_counts
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -75,7 +75,7 @@ def test_huge_weights_give_the_float64_logits(norm):
 def test_norm_of_extreme_vectors(norm):
     """Rows of size 1, 1e30, 1e-30 and 0 against x / sqrt(mean(x^2) + eps) in float64
     (x centred for LayerNorm; the weights are ones and the bias zeros)."""
-    from eqrope._norm import make_norm, norm_rows
+    from eqrope.model._norm import make_norm, norm_rows
 
     layer = make_norm(norm, 8, 1e-5, jnp.float32)
     row = np.random.default_rng(0).standard_normal(8).astype(np.float32)
@@ -92,7 +92,7 @@ def test_norm_of_extreme_vectors(norm):
 
 
 def test_bfloat16_norm_keeps_its_dtype():
-    from eqrope._norm import make_norm, norm_rows
+    from eqrope.model._norm import make_norm, norm_rows
 
     layer = make_norm("rms", 8, 1e-5, jnp.bfloat16)
     small = np.random.default_rng(1).standard_normal((3, 8))

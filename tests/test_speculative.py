@@ -17,7 +17,7 @@ import pytest
 import scipy.stats
 
 import eqrope
-from eqrope._prompt_lookup import PromptLookup, lookup_draft
+from eqrope.generation.speculative._prompt_lookup import PromptLookup, lookup_draft
 from eqrope.testing import Uncached
 
 from _compiles import counting

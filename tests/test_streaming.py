@@ -15,9 +15,9 @@ import eqrope
 from _compiles import counting
 from _models import random_model
 from eqrope import _decode
-from eqrope._generate_args import parse_request
-from eqrope._generation_config import GenerationConfig
-from eqrope._stream import TextStream
+from eqrope.generation._request import parse_request
+from eqrope.generation._generation_config import GenerationConfig
+from eqrope.generation._stream import TextStream
 from eqrope.testing import Uncached, hlo_instructions
 
 

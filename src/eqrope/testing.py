@@ -21,7 +21,7 @@ from typing import NamedTuple
 import equinox as eqx
 import numpy as np
 
-from ._decoder import RotaryDecoder
+from .model._decoder import RotaryDecoder
 
 
 class Uncached(eqx.Module):

@@ -1,0 +1,8 @@
+"""Generation: a checked request, one compiled program (prefill, then a decode loop), the result.
+
+Sampling, logits processors, stop sequences and streaming sit beside it; `speculative/` drafts.
+"""
+
+from ._generate import Generation as Generation, generate as generate
+from ._generation_config import GenerationConfig as GenerationConfig
+from .speculative import PromptLookup as PromptLookup

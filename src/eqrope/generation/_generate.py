@@ -1,0 +1,314 @@
+"""`eqrope.generate`: check the call, run the cached program or the uncached loop, slice.
+
+The pieces live beside it: the argument checks in `_generate_args.py`, the cached
+program and its loop state in `_decode.py`, the uncached reference loop in `_uncached.py`,
+the logits processors in `_processors.py`, token sampling in `_sampling.py`, stop
+sequences in `_stopping.py`, `on_token` in `_stream.py`, and the settings' record and
+checks in `_generation_config.py`.
+"""
+
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .._checks import check_int, is_concrete
+from ._decode import NON_FINITE, generate_cached
+from .speculative._drafting import check_draft
+from ._request import UNDER_JIT, Request, has_cache_protocol, parse_request
+from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
+from ..sharding._rules import shard_batch
+from .speculative._round import DRAFT_NON_FINITE, run_speculative
+from ._stream import listening
+from ._uncached import generate_uncached
+
+
+class Generation(eqx.Module):
+    """The result of `generate(..., return_logprobs=True)`.
+
+    - `tokens`: as returned by `generate` (prompt, new tokens, then `pad_id`).
+    - `logprobs`: the log-probability of each generated token under the distribution it
+      was sampled from, after every processor (penalties, `bad_ids` and `min_new` masks,
+      temperature, top-k, top-p, min-p; greedy decoding: the softmax of the penalized and
+      masked logits), at its position, and 0 at prompt and padding positions, so
+      `logprobs.sum(-1)` is the log-probability of the generated text under the sampler.
+    - `model_logprobs`: the same tokens' log-probabilities under the model's own
+      distribution at the sampling temperature, `log_softmax(logits / temperature)`
+      (temperature 1 when greedy), without penalties, masks or truncation; 0 elsewhere.
+    - `lengths`: the number of valid tokens (prompt plus generated) of each row.
+    - `target_steps`: how many times the model ran for each row after the prefill: one
+      step per new token without a draft; with `draft=`, one per round, a round verifying
+      `draft_len` drafted tokens in one pass.
+    - `drafted`, `accepted`: the drafted tokens each row was offered and how many it
+      kept; 0 without a draft. A round offers `draft_len` drafts, or as many tokens as
+      the row may still add (`max_new`, the cache) when that is fewer, so a draft that
+      always agrees with the model has every draft accepted.
+
+    With `num_samples`, each field has the samples' axis after the batch's.
+    """
+
+    tokens: Int[Array, "*batch total"]
+    logprobs: Float[Array, "*batch total"]
+    model_logprobs: Float[Array, "*batch total"]
+    lengths: Int[Array, "*batch"]
+    target_steps: Int[Array, "*batch"]
+    drafted: Int[Array, "*batch"]
+    accepted: Int[Array, "*batch"]
+
+    @property
+    def acceptance(self) -> float:
+        """The fraction of drafted tokens accepted, over every row (NaN without drafts)."""
+        drafted = int(np.sum(np.asarray(self.drafted)))
+        return int(np.sum(np.asarray(self.accepted))) / drafted if drafted else float("nan")
+
+
+def generate(
+    model,
+    prompt,
+    max_new: int | _FromConfig = FROM_CONFIG,
+    *,
+    config: GenerationConfig | None = None,
+    max_len: int | None = None,
+    temperature: float | ArrayLike | _FromConfig = FROM_CONFIG,
+    top_k: int | None | _FromConfig = FROM_CONFIG,
+    top_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    min_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    repetition_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
+    presence_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
+    frequency_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
+    key=None,
+    eos_id: int | Sequence[int] | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    stop: Sequence | None | _FromConfig = FROM_CONFIG,
+    min_new: int | _FromConfig = FROM_CONFIG,
+    bad_ids: Sequence[int] | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    num_samples: int | None | _FromConfig = FROM_CONFIG,
+    prompt_lengths=None,
+    pad_id: int | None | _FromConfig = FROM_CONFIG,
+    on_token: Callable[[int, int, int], object] | None = None,
+    draft=None,
+    draft_len: int | None = None,
+    accept: str | None = None,
+    return_logprobs: bool = False,
+    check_finite: bool = True,
+    prefill_chunk: int = 64,
+    mesh=None,
+    rules=None,
+):
+    """Generate up to `max_new` tokens after `prompt`.
+
+    **Arguments:**
+
+    - `model`: a model with the cache protocol (`init_cache`, `prefill`, `step`, such as
+      [`eqrope.RotaryDecoder`][]) takes the cached path: one compiled program that prefills
+      the prompt in chunks and decodes in a `jax.lax.while_loop` that stops with the last
+      row, the cache in its state (a `jax.lax.scan` under `jax.grad`). Any
+      other causal callable `ids -> logits` with a `max_len` attribute takes the uncached
+      path: the whole text runs again for every new token, padded on the right to the next
+      power of two so that it compiles once per bucket, not once per length
+      ([`eqrope.testing.Uncached`][] wraps a decoder so).
+    - `prompt`: `(seq,)` token ids, or `(batch, seq)` for a batch.
+    - `max_new`: the most tokens to add. Generation also stops when the text fills the
+      cache (`max_len` positions), and, per row, after an `eos_id` or a `stop` sequence.
+    - `config`: an [`eqrope.GenerationConfig`][] holding the settings below (`max_new`
+      to `pad_id`); each of them not passed here takes the config's value, and without a
+      config the defaults of `GenerationConfig()` (greedy, nothing else), shown in the
+      signature as `FROM_CONFIG`. docs/generation.md compares them with transformers'.
+    - `max_len`: the cache rows of this call, at most the model's `max_len`. The program
+      compiles once per value. `None` picks the smallest power of two (at least 16) that
+      holds the prompt and `max_new` tokens, capped at the model's `max_len`, so a short
+      job on a model built for 131072 positions allocates a short cache; a new power of
+      two compiles a new program. `max_len=model.max_len` pins one program for every
+      call (and lets generation run to the model's last position).
+    - `temperature`, `top_k`, `top_p`, `min_p`: sampling; `temperature=0` (the default) is
+      greedy. The logits are divided by the temperature, then truncated by top-k, top-p,
+      then min-p (transformers' order); `None` turns a filter off.
+    - `repetition_penalty`, `presence_penalty`, `frequency_penalty`: applied first, to the
+      logits before the temperature, greedy or not: transformers' repetition penalty (over
+      the prompt and the generated tokens, positive logits divided by it and negative
+      ones multiplied), then OpenAI's presence and frequency penalties (over the
+      generated tokens). Per-row counts are kept in the loop's state.
+    - `key`: a PRNG key, needed when `temperature > 0`. The token at position `t` of a row
+      is sampled with `jax.random.fold_in(row_key, t)`, where `row_key = key` for a 1-D
+      prompt and `jax.random.split(key, batch)[i]` for row `i` of a batch, so row `i`
+      equals `generate(model, prompt[i, :prompt_lengths[i]], ..., key=row_key)`. With
+      `num_samples=n`, sample `j` of a row uses `jax.random.split(row_key, n)[j]`, so it
+      equals `generate(model, that_prompt, ..., key=jax.random.split(row_key, n)[j])`.
+    - `eos_id`: a row ends after this token, or after any of a sequence of tokens (the
+      EOS token is kept).
+    - `stop`: token-id sequences (`[[13, 13], [50256]]`); a row ends after the first
+      complete match at the end of its text (the match may begin in the prompt; its
+      tokens are kept).
+    - `min_new`: EOS ids are masked out of a row's first `min_new` new tokens, and a stop
+      sequence that ends among them does not end the row.
+    - `bad_ids`: token ids that are never produced (masked before the temperature).
+    - `num_samples`: `n` continuations of each prompt, sharing one prefill (the prompt's
+      cache rows are copied to the `n` rows). The results gain an axis of `n` after the
+      batch's: `(n, total)` for a 1-D prompt, `(batch, n, total)` for a batch.
+
+      Every setting is a traced value: a new temperature, penalty, `min_p`, `min_new`,
+      key or id list does not recompile. The shapes are static: the length of `eos_id`,
+      the number of `bad_ids` (padded to 8, then to powers of two), the number of `stop`
+      sequences and their longest length (each padded to 4, then to powers of two), and
+      `num_samples`.
+    - `prompt_lengths`: for a batch, the real length of each row (ragged prompts, padded on
+      the right); `None` means every row is full.
+    - `pad_id`: fills positions after a row's end; default the (first) `eos_id`, else 0.
+    - `on_token`: a function `on_token(row, position, token)` (three ints), called for
+      each new token, in order, while the program runs: from inside the compiled loop
+      through an ordered `jax.experimental.io_callback` (one call per row per step; rows
+      in order). `row` indexes the flattened rows: `i * num_samples + j` for sample `j`
+      of prompt `i`. With `None` the program holds no host callback. A new function does
+      not recompile; an exception it raises is raised by `generate` when the program
+      returns, and no further tokens are sent to it. Not under `jax.grad` nor `mesh`.
+    - `draft`: speculative decoding (docs/speculative.md). A small model with the cache
+      protocol and the model's vocabulary, or `"prompt_lookup"` (an
+      [`eqrope.PromptLookup`][]: drafts copied from earlier in the text), proposes
+      `draft_len` tokens (default 4) per round, and the model checks them all in one
+      pass. The output is exact: greedy, the tokens are those of plain decoding; sampling,
+      the text is distributed as plain sampling's under every setting above. The program
+      compiles once per cache length and `draft_len`. Cached path only; not under
+      `jax.grad` nor with `mesh`.
+    - `accept`: the rule that keeps or replaces a drafted token when sampling:
+      `"residual"` (the default; Leviathan et al. 2023) keeps the most drafts;
+      `"coupled"` keeps a draft only when it equals the model's own draw with the key, so
+      the text equals plain `generate`'s for the same key (see `eqrope.generation.speculative._acceptance`).
+    - `return_logprobs`: return a [`eqrope.Generation`][] with both log-probabilities of
+      each token: under the distribution it was sampled from, and under the model, and
+      the counters `target_steps`, `drafted` and `accepted`.
+    - `check_finite`: raise `FloatingPointError` if the model's logits for a row still
+      generating hold a NaN or an infinity, instead of sampling garbage. Inside the
+      compiled loop it costs one reduction per step: such a row stops and is flagged, and
+      `generate` raises when the program returns. `False` skips the check.
+    - `prefill_chunk`: the prompt is prefilled in chunks of this many tokens; only chunks
+      that hold prompt tokens run.
+    - `mesh`, `rules`: run a model placed with `eqrope.shard(model, mesh, rules)` on that
+      device mesh (cached path only). The prompt rows, their lengths and keys are placed
+      on the `batch` rule's mesh axis, and the cache is held with the sharding
+      `eqrope.shard` gives a cache (by default batch on `"data"`, key/value heads on
+      `"model"`); the results are replicated so every process can read them. The tokens
+      are those of one device, and the program compiles once per mesh and rules.
+
+    **Returns:** token ids of shape `(total,)` or `(batch, total)`, with
+    `total = min(seq + max_new, max_len)` (the call's `max_len`; with the default it is
+    `min(seq + max_new, model.max_len)`): each row holds its prompt (its first
+    `prompt_lengths[i]` tokens), then its new tokens, then `pad_id` up to `total`. With
+    `num_samples=n`: `(n, total)` or `(batch, n, total)`.
+
+    The cached path is differentiable: `jax.grad` of `generate(...).logprobs.sum()` with
+    respect to the model's floating-point arrays gives the policy gradient of the sampled
+    text (the tokens themselves are not differentiable).
+    """
+    settings = resolve(
+        config,
+        dict(
+            max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, eos_id=eos_id, pad_id=pad_id, stop=stop,
+            min_new=min_new, bad_ids=bad_ids, num_samples=num_samples,
+        ),
+    )  # fmt: skip
+    request = parse_request(
+        model, prompt, settings, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
+        stream=on_token,
+    )  # fmt: skip
+    if rules is not None and mesh is None:
+        raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
+    draft, draft_len, accept = check_draft(model, draft, draft_len, accept, request.max_len)
+    if draft is not None:
+        chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        results = run_speculative(model, draft, request, chunk, check_finite, mesh, draft_len, accept)
+        outputs, (nonfinite, draft_nonfinite), counters = results[:4], results[4:6], results[6:]
+        if _to_host(nonfinite):
+            raise FloatingPointError(NON_FINITE)
+        if _to_host(draft_nonfinite):
+            raise FloatingPointError(DRAFT_NON_FINITE)
+        return _finish(request, *outputs, return_logprobs, tuple(map(_to_host, counters)))
+    if has_cache_protocol(model):
+        chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        *outputs, nonfinite = _run_cached(model, request, chunk, check_finite, mesh, rules)
+        if _to_host(nonfinite):
+            raise FloatingPointError(NON_FINITE)
+    elif mesh is not None:
+        raise ValueError("mesh is only for models with the cache protocol.")
+    else:
+        outputs = generate_uncached(model, request, check_finite)
+    return _finish(request, *outputs, return_logprobs)
+
+
+def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
+    buffer, lengths = request.buffer(), request.lengths
+    if mesh is not None:
+        buffer, lengths = shard_batch((buffer, lengths), mesh, rules)
+    # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
+    differentiable = not all(map(is_concrete, jax.tree.leaves(model)))
+
+    def run(stream_id):
+        return generate_cached(
+            model,
+            buffer,
+            lengths,
+            np.asarray(request.max_new, np.int32),
+            request.sampling,
+            request.key,
+            stream_id,
+            batched=request.batched,
+            chunk=min(chunk, request.max_len),
+            samples=request.samples,
+            stream=stream_id is not None,
+            differentiable=differentiable,
+            check_finite=bool(check_finite),
+            mesh=mesh,
+            rules=rules,
+        )
+
+    if request.stream is None:
+        return run(None)
+    if differentiable or mesh is not None:
+        raise ValueError(
+            "on_token streams from a plain generate call; it is not supported under "
+            "jax.grad or with mesh=. Generate without on_token there."
+        )
+    with listening(request.stream) as stream_id:
+        return jax.block_until_ready(run(stream_id))
+
+
+def _finish(
+    request: Request, tokens, logprobs, model_logprobs, ends, return_logprobs: bool, counters=None
+):
+    """Cut the `(rows, max_len)` buffers to `total`, pad after each row's end, shape
+    them `(*batch, *samples, total)`, and return the tokens or a [`eqrope.Generation`][].
+
+    On the host: eager jnp ops would compile anew for every `total`. Under `jax.grad` the
+    log-probabilities are tracers and are sliced with jnp.
+    """
+    total = request.total
+    ends = _to_host(ends).astype(np.int32)
+    inside = np.arange(total)[None, :] < ends[:, None]
+    tokens = np.where(inside, np.asarray(tokens)[:, :total], request.pad_id).astype(np.int32)
+    lead = (request.prompt.shape[0],) if request.batched else ()
+    lead += (request.samples,) if request.samples is not None else ()
+    tokens, ends = tokens.reshape(*lead, total), ends.reshape(lead)
+    # `jax.device_put`, not `jnp.asarray`, which compiles a small program per shape.
+    if not return_logprobs:
+        return jax.device_put(tokens)
+    # The log-probabilities are already 0 outside the generated positions.
+    both = [
+        (np.asarray(x)[:, :total] if is_concrete(x) else x[:, :total]).reshape(*lead, total)
+        for x in (logprobs, model_logprobs)
+    ]
+    if counters is None:  # one model pass per new token, no drafts
+        new = ends - np.repeat(request.lengths, request.samples or 1).reshape(lead)
+        counters = (new, np.zeros_like(new), np.zeros_like(new))
+    counters = tuple(np.asarray(c, np.int32).reshape(lead) for c in counters)
+    tokens, logprobs, model_logprobs, ends, counters = jax.device_put((tokens, *both, ends, counters))
+    return Generation(tokens, logprobs, model_logprobs, ends, *counters)
+
+
+def _to_host(x) -> np.ndarray:
+    """`np.asarray(x)`; a tracer here means `generate` was called under `jax.jit`."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        raise TypeError(UNDER_JIT.format(name="model")) from None

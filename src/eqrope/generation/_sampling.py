@@ -1,0 +1,152 @@
+"""Choosing the next token from logits, with every setting a traced value."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, Key, UInt
+
+from ._processors import History, penalize, suppress, truncate
+
+
+class Sampling(NamedTuple):
+    """The sampling and stopping settings of one `generate` call, as arrays.
+
+    They are arguments of the compiled program, not constants, so changing any of them
+    never recompiles; only the lengths of `eos` and `bad` and the shape of `stop` are
+    part of the program's shape. [`eqrope.generate`][] builds this record after checking
+    its arguments (`eqrope.generation._request`). It is a `NamedTuple` (a pytree), not an
+    `eqx.Module`: it is built on every call, and a Module's construction costs tens of
+    microseconds, a visible part of a small model's generation.
+
+    - `temperature`: 0 is greedy.
+    - `top_k`: keep the logits `>=` the k-th largest (`top_k >= vocab` keeps everything).
+    - `top_p`: nucleus mass (1 keeps everything).
+    - `eos`: the end-of-sequence ids, `(n_eos,)`; `[-1]` for none.
+    - `min_p`: the min-p fraction (0 keeps everything).
+    - `repetition_penalty`, `presence_penalty`, `frequency_penalty`: 1, 0, 0 for none.
+    - `min_new`: EOS ids are masked, and stop sequences ignored, until a row has this
+      many new tokens.
+    - `bad`: ids never produced, `(n_bad,)`, padded with -1.
+    - `stop`: stop sequences, `(n_stop, stop_len)`, right-aligned, padded on the left with
+      -2 (matches anything), spare rows -1 (see `_stopping.py`).
+    """
+
+    temperature: Float[ArrayLike, ""]
+    top_k: Int[ArrayLike, ""]
+    top_p: Float[ArrayLike, ""]
+    eos: Int[ArrayLike, " n_eos"]
+    min_p: Float[ArrayLike, ""] = np.float32(0.0)
+    repetition_penalty: Float[ArrayLike, ""] = np.float32(1.0)
+    presence_penalty: Float[ArrayLike, ""] = np.float32(0.0)
+    frequency_penalty: Float[ArrayLike, ""] = np.float32(0.0)
+    min_new: Int[ArrayLike, ""] = np.int32(0)
+    bad: Int[ArrayLike, " n_bad"] = np.full((8,), -1, np.int32)
+    stop: Int[ArrayLike, "n_stop stop_len"] = np.full((4, 4), -1, np.int32)
+
+
+def process_logits(
+    logits: Float[Array, " vocab"], history: History, n_new: Int[ArrayLike, ""], sampling: Sampling
+) -> Float[Array, " vocab"]:
+    """The processors before the temperature: penalties, then `bad` and `min_new` masks."""
+    logits = penalize(
+        logits,
+        history,
+        sampling.repetition_penalty,
+        sampling.presence_penalty,
+        sampling.frequency_penalty,
+    )
+    return suppress(logits, n_new, sampling.bad, sampling.eos, sampling.min_new)
+
+
+def choose_token(
+    logits: Float[Array, " vocab"],
+    history: History,
+    n_new: Int[Array, ""],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
+    sampling: Sampling,
+) -> tuple[Int[Array, ""], Float[Array, ""], Float[Array, ""]]:
+    """The token at `position` of a row: every processor, then `sample_token`.
+
+    **Returns:** `(token, logprob, model_logprob)`: the token; its log-probability under
+    the distribution it was drawn from (after every processor: penalties, masks,
+    temperature and truncation; greedy decoding has no temperature or truncation); and
+    its log-probability under the model's own distribution at the sampling temperature
+    (`log_softmax(logits / temperature)`, temperature 1 when greedy), without penalties,
+    masks or truncation.
+    """
+    logits = logits.astype(jnp.float32)
+    token, logprob = sample_token(process_logits(logits, history, n_new, sampling), key, position, sampling)
+    return token, logprob, model_logprob(logits, token, sampling)
+
+
+def model_logprob(
+    logits: Float[Array, " vocab"], token: Int[Array, ""], sampling: Sampling
+) -> Float[Array, ""]:
+    """`token`'s log-probability under the model's own distribution at the sampling
+    temperature, `log_softmax(logits / temperature)[token]` (temperature 1 when greedy),
+    without penalties, masks or truncation."""
+    temperature = jnp.asarray(sampling.temperature).astype(jnp.float32)
+    own = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    return jax.nn.log_softmax(own)[token]
+
+
+def sample_token(
+    logits: Float[Array, " vocab"],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
+    sampling: Sampling,
+) -> tuple[Int[Array, ""], Float[Array, ""]]:
+    """Sample the token at `position` of a row whose key is `key`; `temperature == 0` is
+    greedy.
+
+    **Returns:** `(token, logprob)`, `logprob` the token's log-probability under the
+    distribution it was chosen from (see `draw`).
+    """
+    token, logprobs = draw(logits.astype(jnp.float32), key, position, sampling)
+    return token, logprobs[token]
+
+
+def draw(
+    logits: Float[Array, " vocab"],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
+    sampling: Sampling,
+) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
+    """The token at `position` from float32 (processed) logits, and the log-probabilities
+    of the distribution it was chosen from.
+
+    Greedy: the argmax, and `log_softmax(logits)`. Sampling: the logits are divided by
+    the temperature and truncated with top-k, top-p and min-p
+    (`eqrope.generation._processors.truncate`), and the token is drawn with
+    `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
+    spends nothing on keys); the log-probabilities are those of the truncated logits.
+    """
+    temperature = jnp.asarray(sampling.temperature)
+
+    def greedy(_):
+        return jnp.argmax(logits).astype(jnp.int32), jax.nn.log_softmax(logits)
+
+    def sample(_):
+        scaled = logits / temperature.astype(jnp.float32)
+        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
+        token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
+        return token.astype(jnp.int32), jax.nn.log_softmax(filtered)
+
+    # A real branch, not a select: greedy decoding skips the sort and the random draw.
+    return jax.lax.cond(temperature > 0, sample, greedy, None)
+
+
+def row_keys(key: Key[Array, ""], batch: int, batched: bool, samples: int | None) -> Key[Array, " rows"]:
+    """The key of each row of a `generate` call, `(batch * samples,)`, sample-minor.
+
+    Row `i` of a batch has `jax.random.split(key, batch)[i]`, a 1-D prompt has `key`;
+    with `num_samples=n`, sample `j` of a row whose key is `k` has
+    `jax.random.split(k, n)[j]`.
+    """
+    keys = jax.random.split(key, batch) if batched else key[None]
+    if samples is None:
+        return keys
+    return jax.vmap(lambda k: jax.random.split(k, samples))(keys).reshape(-1)

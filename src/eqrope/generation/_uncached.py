@@ -1,0 +1,96 @@
+"""The uncached reference loop: the whole text runs through the model for every token.
+
+It is the documented reference path of [`eqrope.generate`][], for any causal callable
+`ids -> logits` with a `max_len`. Python loops over steps and rows; each forward pass is
+compiled once per padded width, not once per length. It shares the cached program's
+token choice (`choose_token`) and keys, but keeps its own plain bookkeeping: the
+penalties' history is counted again from the text at every token, stop sequences are
+compared as Python lists, and `num_samples` runs each prompt once per sample.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._decode import NON_FINITE
+from ._request import Request
+from ._processors import History
+from ._sampling import choose_token, row_keys
+from ._stopping import host_ends_with_stop
+
+
+@eqx.filter_jit
+def _last_logits(model, ids, index):
+    return model(ids)[index].astype(jnp.float32)
+
+
+_choose = jax.jit(choose_token)
+
+
+def uncached_bucket(length: int, max_len: int) -> int:
+    """The padded width the uncached path runs a text of `length` tokens at.
+
+    The next power of two (at least 16), capped at `max_len`: at most twice the text, and
+    about `log2(max_len)` compiled shapes instead of one per length.
+    """
+    return min(max(16, 1 << (length - 1).bit_length()), max_len)
+
+
+def _history(prompt: list[int], new: list[int], vocab: int) -> History:
+    seen = np.zeros((vocab,), np.bool_)
+    seen[prompt + new] = True
+    counts = np.bincount(np.asarray(new, np.int64), minlength=vocab).astype(np.int32)
+    return History(seen, counts)
+
+
+def generate_uncached(
+    model, request: Request, check_finite: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The reference loop, with the same sampling and keys as the cached program.
+
+    The text is padded on the right to `uncached_bucket` tokens; a causal model's logits
+    at the last real token do not see the pads. Nothing is reused between tokens. Each
+    step gives every unfinished row one token, rows in order, so `on_token` is called in
+    the cached program's order.
+
+    **Returns:** `(tokens, logprobs, model_logprobs, ends)` as NumPy arrays, laid out as
+    the cached program's.
+    """
+    rows, max_len, n = request.rows, request.max_len, request.samples or 1
+    sampling = request.sampling
+    tokens = np.zeros((rows, max_len), np.int32)
+    logprobs = np.zeros((rows, max_len), np.float32)
+    model_logprobs = np.zeros((rows, max_len), np.float32)
+    eos = set(np.asarray(sampling.eos).tolist())
+    min_new = int(sampling.min_new)
+    keys = row_keys(request.key, request.prompt.shape[0], request.batched, request.samples)
+    prompts = [[int(t) for t in request.prompt[r // n, : request.lengths[r // n]]] for r in range(rows)]
+    new: list[list[int]] = [[] for _ in range(rows)]
+    going = [len(p) < max_len for p in prompts]
+    for _ in range(request.max_new):
+        for r in range(rows):
+            if not going[r]:
+                continue
+            text = prompts[r] + new[r]
+            pos = len(text)
+            padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
+            padded[:pos] = text
+            logits = _last_logits(model, jnp.asarray(padded), jnp.asarray(pos - 1, jnp.int32))
+            if check_finite and not np.isfinite(np.asarray(logits)).all():
+                raise FloatingPointError(NON_FINITE)
+            history = _history(prompts[r], new[r], logits.shape[0])
+            n_new = np.int32(len(new[r]))
+            tok, lp, own = _choose(logits, history, n_new, keys[r], np.int32(pos), sampling)
+            tok = int(tok)
+            new[r].append(tok)
+            tokens[r, : pos + 1] = text + [tok]
+            logprobs[r, pos], model_logprobs[r, pos] = float(lp), float(own)
+            if request.stream is not None:
+                request.stream(r, pos, tok)
+            ends = tok in eos or host_ends_with_stop(text + [tok], sampling.stop)
+            going[r] = pos + 1 < max_len and not (n_new >= min_new and ends)
+    for r in range(rows):
+        tokens[r, : len(prompts[r])] = prompts[r]
+    ends = np.asarray([len(p) + len(t) for p, t in zip(prompts, new)], np.int32)
+    return tokens, logprobs, model_logprobs, ends

@@ -1,0 +1,312 @@
+"""The static-shape key/value cache: its layout, writing, checking, quantizing and reading.
+
+Everything a reader needs to know about the cache is here. Attention sees one block's
+rows through a `BlockCache` view (from `KVCache.block`) and nothing else.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, Int8
+
+from .._checks import check_int, is_concrete
+from ._config import DecoderConfig
+
+
+Rows = Float[Array, "*batch blocks kv_heads max_len head_dim"]
+QuantRows = Int8[Array, "*batch blocks kv_heads max_len head_dim"]
+Scales = Float[Array, "*batch blocks kv_heads max_len"]
+# New rows of every block, as attention returns them (heads-major, like the cache).
+NewRows = Float[Array, "blocks kv_heads seq head_dim"]
+
+DEFAULT_CHUNK = 256
+
+
+class KVCache(eqx.Module):
+    """Keys (already rotated) and values of every block, one row per position.
+
+    The layout is heads-major, `(blocks, kv_heads, max_len, head_dim)`, end to end:
+    attention produces new rows in it, [`write`][eqrope.KVCache.write] stores them and
+    [`block`][eqrope.KVCache.block] reads them, with no transpose anywhere.
+
+    The shape is fixed at `max_len` rows, so code that takes a cache compiles once. Row
+    `t` holds position `t`; a step at position `pos` attends to rows `0 .. pos - 1` plus
+    itself and masks every other row, so rows past the current position may hold anything
+    (zeros, or stale rows of a padded prompt) without changing a result.
+
+    An int8 cache (`model.init_cache(dtype="int8")`) stores each row of `head_dim` values as
+    `round(x / s)` with `s = max|x| / 127` kept in float32 beside it (`key_scales`,
+    `value_scales`), about a quarter of the float32 bytes; rows are dequantised as they
+    are read. The float caches have `None` scales.
+
+    Attention reads the rows in chunks of `chunk` rows (a static field, default 256) and
+    skips chunks past the position; see [`block`][eqrope.KVCache.block].
+
+    `filled` counts the rows written so far (rows `0 .. filled - 1`; every write at `pos`
+    raises it to at least `pos + seq`). `model.prefill` and `model.step` refuse a position
+    past it, eagerly and under `jit`, since the rows in between would be attended as if
+    they held tokens. Writing below it (rewinding, or re-prefilling) is allowed. A cache
+    built by hand without `filled` is not checked.
+
+    It is immutable: `model.prefill` and `model.step` return a new cache. Under `jit`
+    (and in the loop of `eqrope.generate`) XLA updates the buffer in place. A batch of
+    caches has a leading `batch` axis on every array (`model.init_cache(batch=...)`), and
+    is used with `jax.vmap`.
+    """
+
+    keys: Rows | QuantRows
+    values: Rows | QuantRows
+    key_scales: Scales | None = None
+    value_scales: Scales | None = None
+    filled: Int[Array, "*batch"] | None = None
+    chunk: int = eqx.field(static=True, default=DEFAULT_CHUNK)
+
+    @classmethod
+    def empty(
+        cls,
+        config: DecoderConfig,
+        *,
+        batch: int | None = None,
+        max_len: int | None = None,
+        dtype=None,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> "KVCache":
+        """Zeros for `config`, with a leading `batch` axis if given.
+
+        `max_len` rows (at most `config.max_len`; `None` means `config.max_len`).
+        `dtype=None` stores rows in the model's dtype (exact); `dtype="int8"` stores int8
+        rows with float32 per-row scales.
+        """
+        batch = check_int(batch, "batch", minimum=1, none=True)
+        chunk = check_int(chunk, "chunk", minimum=1)
+        rows = check_rows(max_len, config)
+        shape = _shape(config, rows) if batch is None else (batch, *_shape(config, rows))
+        # Separate buffers for each field, so that the cache can be donated.
+        filled = jnp.zeros(shape[:-4], jnp.int32)
+        if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
+            zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
+            return cls(keys=zeros(), values=zeros(), filled=filled, chunk=chunk)
+        if jnp.dtype(dtype) == jnp.int8:
+            q = lambda: jnp.zeros(shape, jnp.int8)
+            s = lambda: jnp.ones(shape[:-1], jnp.float32)
+            return cls(q(), q(), key_scales=s(), value_scales=s(), filled=filled, chunk=chunk)
+        raise ValueError(
+            f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[-2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_scales is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the rows and their scales (not the `filled` counter)."""
+        arrays = (self.keys, self.values, self.key_scales, self.value_scales)
+        return int(sum(a.nbytes for a in arrays if a is not None))
+
+    def check(self, config: DecoderConfig) -> None:
+        """Raise unless this is an unbatched cache for a model with `config`, of at most
+        `config.max_len` rows."""
+        rows = self.keys.shape[-2] if self.keys.ndim == 4 else config.max_len
+        expected = _shape(config, rows)
+        if (
+            self.keys.shape != expected
+            or self.values.shape != expected
+            or not 1 <= rows <= config.max_len
+        ):
+            raise ValueError(
+                f"cache has shape {self.keys.shape} but this model needs "
+                f"{_shape(config, config.max_len)} (blocks, kv_heads, max_len, head_dim), or "
+                f"fewer rows than {config.max_len}; build it with model.init_cache()."
+            )
+        if self.quantized:
+            ok = (
+                self.keys.dtype == self.values.dtype == jnp.int8
+                and self.value_scales is not None
+                and self.key_scales.shape == self.value_scales.shape == expected[:-1]
+            )
+        else:
+            ok = self.keys.dtype == config.jnp_dtype == self.values.dtype
+        if not ok:
+            raise ValueError(
+                f"cache has dtype {self.keys.dtype} but the model uses {config.dtype} "
+                "(or an int8 cache with scales); build it with model.init_cache()."
+            )
+
+    def write(self, keys: NewRows, values: NewRows, pos: Int[Array, ""]) -> "KVCache":
+        """A new cache with rows `pos .. pos + seq - 1` of every block replaced (quantised
+        first for an int8 cache). The caller has checked that the rows fit."""
+        zero = jnp.zeros((), jnp.int32)
+        pos = jnp.asarray(pos).astype(jnp.int32)
+
+        def put(buffer, rows):  # rows go to axis 2, `max_len`, of every array
+            start = (zero, zero, pos) + (zero,) * (buffer.ndim - 3)
+            return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
+
+        filled = self.filled
+        if filled is not None:
+            filled = jnp.maximum(filled, pos + keys.shape[-2]).astype(filled.dtype)
+        if not self.quantized:
+            new = (put(self.keys, keys), put(self.values, values), None, None)
+        else:
+            (qk, sk), (qv, sv) = quantize_rows(keys), quantize_rows(values)
+            new = (put(self.keys, qk), put(self.values, qv), put(self.key_scales, sk), put(self.value_scales, sv))
+        return KVCache(*new, filled=filled, chunk=self.chunk)
+
+    def check_position(self, pos, seq: int):
+        """`pos`, unless writing `seq` rows there would leave unwritten rows below it (a
+        position past `filled`); raises eagerly, or under `jit` through `eqx.error_if`."""
+        if self.filled is None:
+            return pos
+        if is_concrete(pos) and is_concrete(self.filled):
+            filled = int(np.asarray(self.filled))
+            if int(pos) > filled:
+                raise ValueError(
+                    f"pos={int(pos)} leaves a gap: the cache holds positions 0..{filled - 1} "
+                    f"(filled={filled}), and rows {filled}..{int(pos) - 1} were never written. "
+                    f"Step or prefill at pos <= {filled}; positions must be consecutive."
+                )
+            return pos
+        return eqx.error_if(
+            pos, pos > self.filled, "pos is past the cache's filled rows (a gap); positions must be consecutive."
+        )
+
+    def block(
+        self,
+        index: Int[Array, ""],
+        bound: Int[Array, ""] | None = None,
+        low: Int[Array, ""] | None = None,
+    ) -> "BlockCache":
+        """A read-only view of block `index`'s rows (one sequence, no batch axis).
+
+        `bound`: chunks of rows at or past it are not read (default: the position of the
+        first query). `low`: with a sliding window, chunks wholly before the window of a
+        query at `low` are not read (default: the position of the first query). Under
+        `jax.vmap` over rows at different positions, pass unbatched values (the batch's
+        furthest and nearest positions), or the skips become selects that read every
+        chunk. Neither changes the result.
+        """
+        return BlockCache(
+            self.keys, self.values, self.key_scales, self.value_scales, index, bound, low, self.chunk
+        )
+
+
+class BlockCache(eqx.Module):
+    """One block's cached rows, read in place, in chunks of `chunk` rows from `low`'s
+    window up to `bound`.
+
+    It holds the whole stacked cache and the block index, and slices only the rows asked
+    for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
+    copy the block's whole `max_len` rows at every step.
+    """
+
+    keys: Float[Array, "blocks kv_heads max_len head_dim"] | Int8[Array, "blocks kv_heads max_len head_dim"]
+    values: Float[Array, "blocks kv_heads max_len head_dim"] | Int8[Array, "blocks kv_heads max_len head_dim"]
+    key_scales: Float[Array, "blocks kv_heads max_len"] | None
+    value_scales: Float[Array, "blocks kv_heads max_len"] | None
+    index: Int[Array, ""]
+    bound: Int[Array, ""] | None
+    low: Int[Array, ""] | None
+    chunk: int = eqx.field(static=True)
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[-2]
+
+    def rows(
+        self, start: Int[Array, ""] | int, size: int
+    ) -> tuple[Float[Array, "kv_heads size head_dim"], Float[Array, "kv_heads size head_dim"]]:
+        """Keys and values of rows `start .. start + size - 1` (`start + size <= max_len`),
+        dequantised to float32 for an int8 cache."""
+        _, kv_heads, _, head_dim = self.keys.shape
+        zero = jnp.zeros((), jnp.int32)
+        block, start = jnp.asarray(self.index, jnp.int32), jnp.asarray(start, jnp.int32)
+
+        def take(x, scales):
+            x = jax.lax.dynamic_slice(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
+            if scales is None:
+                return x
+            s = jax.lax.dynamic_slice(scales, (block, zero, start), (1, kv_heads, size))[0]
+            return x.astype(jnp.float32) * s[..., None]
+
+        return take(self.keys, self.key_scales), take(self.values, self.value_scales)
+
+
+def quantize_rows(
+    rows: Float[Array, "*shape head_dim"],
+) -> tuple[Int8[Array, "*shape head_dim"], Float[Array, "*shape"]]:
+    """Symmetric int8 per row: `q = round(x / s)`, `s = max|x| / 127` (1 for a zero row)."""
+    x = rows.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def _shape(config: DecoderConfig, rows: int) -> tuple[int, int, int, int]:
+    """`(blocks, kv_heads, rows, head_dim)` for one sequence."""
+    return (config.n_blocks, config.n_kv_heads, rows, config.head_dim)
+
+
+def check_rows(max_len, config: DecoderConfig) -> int:
+    """A cache length: `None` means the model's `max_len`; anything else is an int in
+    `[1, config.max_len]`."""
+    rows = check_int(max_len, "max_len", minimum=1, none=True)
+    if rows is None:
+        return config.max_len
+    if rows > config.max_len:
+        raise ValueError(
+            f"max_len={rows} cache rows, but the model's max_len is {config.max_len}; "
+            "a cache cannot hold positions the model was not built for. Pass at most "
+            f"{config.max_len}, or build the model with a larger max_len."
+        )
+    return rows
+
+
+def cache_nbytes(
+    of, *, batch: int = 1, positions: int | None = None, dtype=None
+) -> int:
+    """Bytes of a cache, from the closed form
+
+    `2 (keys and values) * batch * blocks * rows * kv_heads * head_dim * itemsize`,
+
+    where `rows` is `max_len` for eqrope's static cache, or `positions` for a cache that
+    held only the positions seen so far (the chapter's exercise 3 asks this for 512). For
+    `dtype="int8"` the itemsize is 1 and each row adds a float32 scale:
+    `2 * batch * blocks * rows * kv_heads * (head_dim + 4)`.
+
+    **Arguments:**
+
+    - `of`: a [`eqrope.RotaryDecoder`][], a [`eqrope.DecoderConfig`][], or a
+      [`eqrope.KVCache`][]. For a cache, its own shape and dtype are used (a batched
+      cache counts its batch), and `batch` and `dtype` must be left at their defaults.
+    - `batch`, `positions`, `dtype`: as above.
+    """
+    if isinstance(of, KVCache):
+        if batch != 1 or dtype is not None:
+            raise ValueError(
+                "cache_nbytes(cache) reads the batch and dtype from the cache; "
+                "leave batch and dtype at their defaults."
+            )
+        *lead, max_len, head_dim = of.keys.shape  # lead: (*batch, blocks, kv_heads)
+        per_row = head_dim * of.keys.dtype.itemsize + (4 if of.quantized else 0)
+        rows = max_len if positions is None else positions
+        return 2 * math.prod(lead) * rows * per_row
+    config = getattr(of, "config", of)
+    if not isinstance(config, DecoderConfig):
+        raise TypeError(
+            "cache_nbytes takes a RotaryDecoder, a DecoderConfig or a KVCache, "
+            f"got {type(of).__name__}."
+        )
+    rows = config.max_len if positions is None else positions
+    per_row = config.head_dim * jnp.dtype(config.dtype).itemsize
+    if dtype is not None and jnp.dtype(dtype) == jnp.int8:
+        per_row = config.head_dim + 4
+    return 2 * batch * config.n_blocks * rows * config.n_kv_heads * per_row

@@ -1,0 +1,286 @@
+"""The rotary decoder: embedding, a stack of pre-norm blocks, final norm, linear head."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from ._block import DecoderBlock
+from ._cache import DEFAULT_CHUNK, KVCache, NewRows
+from .._checks import as_int_array, check_span, check_vocab, on_device
+from ._config import SIZES, DecoderConfig
+from ._init import uniform_weight
+from ._norm import make_norm, norm_rows
+
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in SIZES)
+
+
+class RotaryDecoder(eqx.Module):
+    """A decoder-only transformer with rotary positions and a static key/value cache.
+
+    `model(ids)` runs one sequence; batch with `jax.vmap(model)`. The `n_blocks` blocks
+    are stored stacked (every array has a leading `blocks` axis) and run with
+    `jax.lax.scan`, so compile time does not grow with depth.
+
+    The cache protocol, used by [`eqrope.generate`][]:
+
+    - `cache = model.init_cache()`;
+    - `logits, cache = model.prefill(ids, cache, pos)`: many tokens in one pass;
+    - `logits, cache = model.step(token, cache, pos)`: one token.
+
+    **Fields:** `embed (vocab, d_model)`; `pos_embed (max_len, d_model)` or `None`;
+    `blocks` (stacked [`eqrope.DecoderBlock`][]); `final_norm`; `head (d_model, vocab)`, or
+    `None` when tied to `embed`; `head_bias (vocab,)` or `None`; `config` (static).
+    """
+
+    embed: Float[Array, "vocab d_model"]
+    pos_embed: Float[Array, "max_len d_model"] | None
+    blocks: DecoderBlock
+    final_norm: eqx.nn.RMSNorm | eqx.nn.LayerNorm
+    head: Float[Array, "d_model vocab"] | None
+    head_bias: Float[Array, " vocab"] | None
+    config: DecoderConfig = eqx.field(static=True)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        n_blocks: int,
+        max_len: int,
+        *,
+        key: PRNGKeyArray,
+        **options,
+    ):
+        """**Arguments:** the five sizes in the seed's order, `key`, and any keyword
+        options, which are the other fields of [`eqrope.DecoderConfig`][] (`d_ff`,
+        `n_kv_heads`, `attention`, `rope_base`, `rope_scaling`, `positions`, `norm`, `norm_eps`, `mlp`,
+        `bias`, `head_bias`, `tie_embeddings`, `remat`, `dtype`), with the same defaults.
+        `dtype=None` means float32 (also under `jax_enable_x64`).
+        """
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"RotaryDecoder got unknown options {unknown}; the options are the fields of "
+                f"DecoderConfig: {', '.join(_OPTIONS)}."
+            )
+        config = DecoderConfig(vocab_size, d_model, n_heads, n_blocks, max_len, **options)
+        embed_key, pos_key, blocks_key, head_key = jax.random.split(key, 4)
+        dt = config.jnp_dtype
+        self.config = config
+        self.embed = jax.random.normal(embed_key, (vocab_size, d_model), jnp.float32).astype(dt)
+        if config.positions == "learned":
+            self.pos_embed = jax.random.normal(pos_key, (max_len, d_model), jnp.float32).astype(dt)
+        else:
+            self.pos_embed = None
+        block_keys = jax.random.split(blocks_key, n_blocks)
+        self.blocks = eqx.filter_vmap(lambda k: DecoderBlock(config, key=k))(block_keys)
+        self.final_norm = make_norm(config.norm, d_model, config.norm_eps, dt)
+        if config.tie_embeddings:
+            self.head = None
+        else:
+            self.head = uniform_weight(head_key, d_model, (d_model, vocab_size), dt)
+        self.head_bias = jnp.zeros((vocab_size,), dt) if config.head_bias else None
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, key: PRNGKeyArray) -> "RotaryDecoder":
+        """Build a decoder from a [`eqrope.DecoderConfig`][]."""
+        sizes = (getattr(config, name) for name in SIZES)
+        return cls(*sizes, key=key, **config.options())
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        return self.config.max_len
+
+    # -- the forward pass ----------------------------------------------------------------
+
+    def __call__(self, ids: Int[ArrayLike, " seq"]) -> Float[Array, "seq vocab"]:
+        """Logits for every position of one sequence, `1 <= seq <= max_len`.
+
+        Token ids outside `[0, vocab_size)` raise, also under `jit` (`eqx.error_if`).
+        """
+        ids = self._check_ids(ids, "ids")
+        positions = jnp.arange(ids.shape[0], dtype=jnp.int32)
+        logits, _, _ = self.forward(ids, positions)
+        return logits
+
+    def forward(
+        self,
+        ids: Int[Array, " seq"],
+        positions: Int[Array, " seq"],
+        cache: KVCache | None = None,
+        *,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], NewRows, NewRows]:
+        """The unchecked core: logits and each block's new keys and values.
+
+        `positions` must be consecutive; the cache rows `r < positions[0]` are attended,
+        and chunks of cache rows at or past `kv_bound` (default `positions[0]`), or, with a
+        sliding window, wholly before the window of position `kv_low` (default
+        `positions[0]`), are not read (see [`eqrope.KVCache.block`][]). Public callers
+        want `__call__`, `prefill` or `step`, which check their inputs.
+        """
+        x = self.embed[ids]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[positions]
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def run_block(block_arrays, x, past, window):
+            return eqx.combine(block_arrays, static)(x, positions, past, window)
+
+        if self.config.remat:
+            run_block = eqx.filter_checkpoint(run_block)
+
+        def body(x, xs):
+            block_arrays, index, window = xs
+            # The whole cache is closed over and each block reads its rows in place.
+            past = None if cache is None else cache.block(index, kv_bound, kv_low)
+            x, k, v = run_block(block_arrays, x, past, window)
+            return x, (k, v)
+
+        n_blocks = self.config.n_blocks
+        indices = jnp.arange(n_blocks, dtype=jnp.int32)
+        x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices, self._windows()))
+        x = norm_rows(self.final_norm, x)
+        if self.head is None:
+            # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
+            # copy the transposed (vocab, d_model) table, on every step or held in memory.
+            logits = jax.lax.dot_general(x, self.embed, (((1,), (1,)), ((), ())))
+        else:
+            logits = x @ self.head
+        if self.head_bias is not None:
+            logits = logits + self.head_bias
+        return logits, keys, values
+
+    def _windows(self) -> Int[Array, " blocks"] | None:
+        """Each block's sliding window (a block without one sees every position: the
+        window is then past any position), or `None` when no block has one."""
+        attention, n_blocks = self.config.attention, self.config.n_blocks
+        if attention.window is None:
+            return None
+        everything = jnp.iinfo(jnp.int32).max // 2
+        return jnp.asarray(
+            [attention.window if w else everything for w in attention.windowed(n_blocks)],
+            jnp.int32,
+        )
+
+    # -- the cache protocol --------------------------------------------------------------
+
+    def init_cache(
+        self,
+        batch: int | None = None,
+        *,
+        max_len: int | None = None,
+        dtype=None,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> KVCache:
+        """An empty cache (with a leading `batch` axis if given).
+
+        **Arguments:**
+
+        - `batch`: rows of a batched cache, for use with `jax.vmap`; `None` for one
+          sequence.
+        - `max_len`: the cache rows, that is the most positions it holds, at most the
+          model's `max_len`; `None` means the model's. RoPE needs no table, so a shorter
+          cache changes nothing but the memory and the positions it can hold.
+        - `dtype`: `None` stores keys and values in the model's dtype (exact); `"int8"`
+          stores them as int8 with a float32 scale per row (see [`eqrope.KVCache`][]).
+        - `chunk`: how many rows attention reads at a time; it never changes a result.
+        """
+        return KVCache.empty(self.config, batch=batch, max_len=max_len, dtype=dtype, chunk=chunk)
+
+    def prefill(
+        self,
+        ids: Int[ArrayLike, " seq"],
+        cache: KVCache,
+        pos: Int[ArrayLike, ""] = 0,
+        *,
+        check: bool = True,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "seq vocab"], KVCache]:
+        """Run `ids` at positions `pos .. pos + seq - 1` in one pass against `cache`.
+
+        Each query attends to the cache rows before `pos` and causally to the new rows (the
+        offset mask, the chapter's `diagonal = 1 + Tk - Tq`). The new keys and values are
+        written to rows `pos .. pos + seq - 1`.
+
+        A prompt may be padded to a fixed length so that a new prompt length does not
+        recompile: the logits of the real tokens do not see the pads, and the rows written
+        for the pads are masked until a later step overwrites them.
+
+        `check=False` skips the value checks (token ids in range, `pos + seq <= rows`),
+        which cost compile time inside loops; only for callers that have checked already,
+        such as [`eqrope.generate`][]. Shapes and dtypes are always checked.
+
+        The cache is read in chunks of `cache.chunk` rows, and chunks at or past
+        `kv_bound` (default `pos`) are skipped, so the cost follows the position, not
+        `max_len`. With a sliding window, chunks wholly before the window of position
+        `kv_low` (default `pos`) are skipped too, so the cost follows the window. Under
+        `jax.vmap` over a batch with different positions, pass an unbatched `kv_bound`
+        (the batch's largest `pos`) and `kv_low` (its smallest), or every chunk is
+        computed. Neither changes the result.
+
+        **Returns:** `(logits, cache)`, logits for every row of `ids`.
+        """
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}.")
+        cache.check(self.config)
+        if check:
+            ids = self._check_ids(ids, "ids")
+            pos = cache.check_position(check_span(pos, ids.shape[0], cache.max_len, "pos"), ids.shape[0])
+        else:
+            ids = on_device(as_int_array(ids, "ids", ndim=1))
+            pos = jnp.asarray(pos).astype(jnp.int32)
+        positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
+        logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low)
+        return logits, cache.write(keys, values, pos)
+
+    def step(
+        self,
+        token: Int[ArrayLike, ""],
+        cache: KVCache,
+        pos: Int[ArrayLike, ""],
+        *,
+        check: bool = True,
+        kv_bound: Int[Array, ""] | None = None,
+        kv_low: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, " vocab"], KVCache]:
+        """One token at position `pos`: writes row `pos`, attends to rows `0 .. pos`.
+
+        `check`, `kv_bound` and `kv_low` are as for `prefill`.
+
+        **Returns:** `(logits, cache)`, the logits for the next position.
+        """
+        hint = " Pass one token id; for a batch use jax.vmap."
+        token = on_device(as_int_array(token, "token", ndim=0, hint=hint))
+        logits, cache = self.prefill(
+            token[None], cache, pos, check=check, kv_bound=kv_bound, kv_low=kv_low
+        )
+        return logits[0], cache
+
+    # -- checks --------------------------------------------------------------------------
+
+    def _check_ids(self, ids, name: str):
+        ids = as_int_array(
+            ids,
+            name,
+            ndim=1,
+            hint=" The model runs one sequence; for a batch use jax.vmap(model)(ids).",
+        )
+        if ids.shape[0] == 0:
+            raise ValueError(f"{name} is empty; pass at least one token.")
+        if ids.shape[0] > self.config.max_len:
+            raise ValueError(
+                f"{name} has {ids.shape[0]} tokens but max_len={self.config.max_len}; "
+                "shorten the sequence or build the model with a larger max_len."
+            )
+        return on_device(check_vocab(ids, self.config.vocab_size, name))

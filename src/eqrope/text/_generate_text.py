@@ -1,0 +1,121 @@
+"""`eqrope.generate_text`: text in, text out, around `eqrope.generate`."""
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..generation._generate import generate
+from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
+from ..generation._stream import TextStream, print_piece
+from ._tokenizer import Tokenizer
+
+
+# Arguments of `generate` that `generate_text` sets itself.
+_OWN = ("eos_id", "prompt_lengths", "return_logprobs", "on_token")
+
+
+def generate_text(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[str],
+    max_new: int | _FromConfig = FROM_CONFIG,
+    *,
+    stream: bool | Callable[[int, str], object] = False,
+    **settings,
+) -> str | list[str] | list[list[str]]:
+    """Generate up to `max_new` tokens after a text prompt, and return the new text.
+
+    **Arguments:**
+
+    - `model`: a model for [`eqrope.generate`][] whose vocabulary covers the tokenizer's.
+    - `tokenizer`: an [`eqrope.Tokenizer`][]. Prompts are encoded with its special-token
+      rules (a BOS token, say).
+    - `prompt`: a string, or a list of strings, which run as one ragged batch
+      (`Tokenizer.encode_batch` and `prompt_lengths`).
+    - `max_new`: the most tokens to add to each prompt (or the `config`'s).
+    - `stream`: `True` writes the new text of a single string prompt to standard output
+      as it is generated; a function `stream(row, piece)` receives each row's text in
+      pieces instead (`row` as `generate`'s `on_token` numbers them). The pieces are
+      decoded incrementally: a multi-byte character split over several tokens comes
+      out whole, once its last byte is there. A row's pieces join into the text
+      returned for it.
+    - `settings`: any other keyword of `eqrope.generate` (`temperature`, `top_k`, `top_p`,
+      `key`, `max_len`, `config`, `num_samples`, ...), except `eos_id`, `prompt_lengths`,
+      `return_logprobs` and `on_token`, which `generate_text` sets. `stop` may hold
+      strings, each encoded without special tokens (so it stops when the model produces
+      that tokenization of the string), beside token-id sequences. A string prompt samples
+      as `generate` does with a 1-D prompt and the same `key`; a list as a batch.
+
+    **Returns:** the new text of each prompt (a string for a string, a list for a list;
+    with `num_samples`, a list of that many texts in place of each text), decoded with
+    `skip_special_tokens=True` and ended before the first EOS id.
+
+    Each row stops generating at the first of the tokenizer's EOS ids (Llama-3 instruct
+    lists three): they all go to `generate` as `eos_id`. A `config` with an `eos_id` uses
+    its ids instead.
+    """
+    taken = sorted(set(_OWN) & set(settings))
+    if taken:
+        raise TypeError(f"generate_text sets {taken} itself; pass the tokenizer's eos_ids instead.")
+    one = isinstance(prompt, str)
+    if one:
+        ids, lengths = np.asarray(tokenizer.encode(prompt), np.int32), None
+    else:
+        prompt = list(prompt)
+        if not prompt:
+            return []
+        ids, lengths = tokenizer.encode_batch(prompt)
+    config = settings.get("config") or GenerationConfig()
+    eos_ids = _eos_ids(config.eos_id, tokenizer)
+    stop = settings.get("stop", config.stop)
+    if stop is not None and isinstance(stop, (list, tuple)):
+        settings["stop"] = [
+            tokenizer.encode(s, add_special_tokens=False) if isinstance(s, str) else s for s in stop
+        ]
+    text_stream = _text_stream(stream, one, settings, config, tokenizer, eos_ids)
+    result = generate(
+        model, ids, max_new, eos_id=list(eos_ids) or None, prompt_lengths=lengths,
+        return_logprobs=True, on_token=text_stream and text_stream.on_token, **settings,
+    )  # fmt: skip
+    samples = settings.get("num_samples", config.num_samples)
+    tokens = np.asarray(result.tokens)
+    tokens = tokens.reshape(-1, tokens.shape[-1])
+    starts = np.repeat([len(ids)] if lengths is None else lengths, samples or 1)
+    ends = np.asarray(result.lengths).reshape(-1)
+    texts = [
+        tokenizer.decode(_until(row[start:end], eos_ids), skip_special_tokens=True)
+        for row, start, end in zip(tokens, starts, ends)
+    ]
+    if text_stream is not None:
+        for row, text in enumerate(texts):
+            text_stream.finish(row, text)
+    if samples is not None:
+        texts = [texts[i : i + samples] for i in range(0, len(texts), samples)]
+    return texts[0] if one else texts
+
+
+def _eos_ids(config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:
+    if config_eos is None:
+        return tuple(tokenizer.eos_ids or ())
+    return (config_eos,) if isinstance(config_eos, int) else tuple(config_eos)
+
+
+def _text_stream(stream, one: bool, settings: dict, config, tokenizer, eos_ids):
+    if stream is False or stream is None:
+        return None
+    if stream is True:
+        if not one or settings.get("num_samples", config.num_samples) is not None:
+            raise ValueError(
+                "stream=True prints the text of one string prompt; for a batch or "
+                "num_samples pass stream=function(row, piece)."
+            )
+        return TextStream(tokenizer, eos_ids, print_piece)
+    if not callable(stream):
+        raise TypeError(f"stream must be True, False or a function (row, piece), got {stream!r}.")
+    return TextStream(tokenizer, eos_ids, stream)
+
+
+def _until(new: np.ndarray, eos_ids: tuple[int, ...]) -> np.ndarray:
+    """`new` up to (not including) its first token in `eos_ids`."""
+    hits = np.flatnonzero(np.isin(new, eos_ids))
+    return new[: hits[0]] if hits.size else new

@@ -1,0 +1,265 @@
+"""`eqrope.Tokenizer`: a Hugging Face checkpoint's tokenizer and chat template, read with
+the `tokenizers` package and rendered with jinja2, without transformers or torch.
+
+The chat template renders as transformers renders it (`transformers/utils/
+chat_template_utils.py`): a sandboxed jinja2 environment with `trim_blocks` and
+`lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps non-ASCII text,
+the `raise_exception` and `strftime_now` helpers, and the named special tokens
+(`bos_token`, `eos_token`, ...) as variables.
+"""
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import final
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+import tokenizers
+from jaxtyping import Int32
+
+from .._json import read_json
+
+
+# The named special tokens of tokenizer_config.json that chat templates see as variables
+# (transformers' `SPECIAL_TOKENS_ATTRIBUTES`).
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_WHO = "eqrope.Tokenizer.from_pretrained"
+
+
+@final
+class Tokenizer:
+    """A text tokenizer with its special tokens and chat template, on the host.
+
+    Build one with [`eqrope.Tokenizer.from_pretrained`][] from a Hugging Face checkpoint
+    directory, or directly from a `tokenizers.Tokenizer`.
+
+    **Arguments:**
+
+    - `tokenizer`: a `tokenizers.Tokenizer`. Its own padding and truncation are switched
+      off (`encode_batch` pads).
+    - `eos_ids`: the token ids that end a text, most important first.
+    - `pad_id`: the padding token's id, or `None`.
+    - `chat_template`: a jinja2 chat template, or `None`.
+    - `special_tokens`: the named special tokens (`{"bos_token": "<s>", ...}`), which the
+      chat template sees as variables.
+    - `clean_up_spaces`: remove the spaces that WordPiece-style decoders leave before
+      punctuation (`clean_up_tokenization_spaces`; transformers ignores it for BPE models).
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        eos_ids: tuple[int, ...] = (),
+        pad_id: int | None = None,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        clean_up_spaces: bool = False,
+    ):
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        self.pad_id = None if pad_id is None else int(pad_id)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self.clean_up_spaces = bool(clean_up_spaces)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+        """Read the tokenizer of a Hugging Face checkpoint directory.
+
+        **Arguments:**
+
+        - `path`: a directory holding `tokenizer.json` (a "fast" tokenizer), and optionally
+          `tokenizer_config.json` (the special tokens, an inline `chat_template`),
+          `chat_template.jinja` (which wins over the inline template, as in transformers) and
+          `generation_config.json` (more EOS ids: Llama-3 instruct lists several). A path
+          to the `tokenizer.json` file itself reads its directory.
+
+        **Returns:** a `Tokenizer`. Its `eos_ids` are the `eos_token` of
+        tokenizer_config.json, then the `eos_token_id`s of generation_config.json not already
+        listed; its `pad_id` is the `pad_token`'s id, or `None`.
+
+        `encode` follows the post-processor of tokenizer.json (which adds a BOS token if the
+        checkpoint does); the `add_bos_token`/`add_eos_token` switches of some
+        tokenizer_config.json files are not applied.
+        """
+        path = Path(path)
+        folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{_WHO}: {file} not found. Pass a Hugging Face checkpoint directory that holds "
+                "tokenizer.json (a 'fast' tokenizer; slow sentencepiece-only tokenizers can be "
+                "converted by saving them once with transformers' AutoTokenizer)."
+            )
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 (the Rust side raises a bare Exception)
+            raise ValueError(f"{_WHO}: {file} is not a valid tokenizer.json ({e}).") from None
+        config_file = folder / "tokenizer_config.json"
+        config = read_json(config_file, _WHO) if config_file.is_file() else {}
+        special = {n: _content(config[n]) for n in _SPECIAL if config.get(n) is not None}
+
+        def token_id(name: str) -> int | None:
+            if name not in special:
+                return None
+            found = tokenizer.token_to_id(special[name])
+            if found is None:
+                raise ValueError(
+                    f"{_WHO}: {config_file} names {name} {special[name]!r}, which is not in the "
+                    f"vocabulary of {file}."
+                )
+            return found
+
+        eos = token_id("eos_token")
+        eos_ids = [] if eos is None else [eos]
+        generation_file = folder / "generation_config.json"
+        if generation_file.is_file():
+            extra = read_json(generation_file, _WHO).get("eos_token_id")
+            extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
+            eos_ids += [int(i) for i in extra]
+        return cls(
+            tokenizer,
+            eos_ids=tuple(dict.fromkeys(eos_ids)),  # in order, once each
+            pad_id=token_id("pad_token"),
+            chat_template=_read_template(folder, config),
+            special_tokens=special,
+            clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False))
+            and type(tokenizer.model).__name__ != "BPE",
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`; `add_special_tokens` applies the checkpoint's
+        post-processor (a BOS token, say), as transformers does by default."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> tuple[Int32[np.ndarray, "batch seq"], Int32[np.ndarray, " batch"]]:
+        """Encode several texts into one right-padded array.
+
+        **Returns:** `(ids, lengths)`: `ids` of shape `(batch, seq)`, `seq` the longest
+        text's length, padded on the right with `pad_id` (0 without one), and each text's
+        length, ready for `eqrope.generate(model, ids, ..., prompt_lengths=lengths)`.
+        """
+        if isinstance(texts, str):
+            raise TypeError("encode_batch takes a list of strings; use encode for one string.")
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        rows = [e.ids for e in encodings]
+        lengths = np.asarray([len(r) for r in rows], np.int32)
+        ids = np.full((len(rows), int(lengths.max(initial=0))), self.pad_id or 0, np.int32)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = row
+        return ids, lengths
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        """The text of a sequence of token ids (a list, or a 1-D NumPy or JAX array)."""
+        ids = np.asarray(ids)
+        if ids.ndim > 1:
+            raise ValueError(f"decode takes one sequence of token ids, got shape {ids.shape}.")
+        text = self.tokenizer.decode(ids.reshape(-1).tolist(), skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self.clean_up_spaces else text
+
+    def apply_chat_template(
+        self, messages: list[dict], *, add_generation_prompt: bool = False, tokenize: bool = True, **variables
+    ) -> list[int] | str:
+        """Render a conversation with the checkpoint's chat template.
+
+        **Arguments:**
+
+        - `messages`: a list of `{"role": ..., "content": ...}` dicts; keys whose value is
+          `None` are dropped, as transformers does.
+        - `add_generation_prompt`: end with the template's opening of an assistant turn.
+        - `tokenize`: return token ids (encoded without adding special tokens: the template
+          writes them); `False` returns the rendered string.
+        - `variables`: more template variables (`tools=...`, `enable_thinking=...`); they
+          win over the special tokens of the same name.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                "apply_chat_template: this tokenizer has no chat template (no chat_template in "
+                "tokenizer_config.json and no chat_template.jinja beside it). Pass "
+                "chat_template=... to Tokenizer, or use a chat checkpoint's tokenizer."
+            )
+        if not messages:
+            raise ValueError("apply_chat_template needs at least one message.")
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {"tools": None, "documents": None, **self.special_tokens, **variables}
+        text = _compile(self.chat_template).render(
+            messages=chat, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _content(token) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _read_template(folder: Path, config: dict) -> str | None:
+    """chat_template.jinja, else the inline `chat_template` (a string, or a list of named
+    templates, of which the one named "default")."""
+    file = folder / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+def _clean_up(text: str) -> str:
+    """transformers' `clean_up_tokenization`."""
+    for before, after in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+        (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):  # fmt: skip
+        text = text.replace(before, after)
+    return text
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which marks assistant text for
+    transformers' assistant masks: here it renders its body unchanged."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)

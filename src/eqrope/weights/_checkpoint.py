@@ -1,0 +1,347 @@
+"""Checkpoints: a directory with the config as JSON and the arrays in safetensors.
+
+A checkpoint is two files in one directory:
+
+- `config.json`: `{"format": "eqrope-checkpoint", "format_version": 2, "config": {...}}`,
+  the config being `model.config.to_dict()`;
+- `model.safetensors`: every array of the model, keyed by its pytree path
+  (`"embed"`, `"blocks.attn.wqkv"`, `"final_norm.weight"`, ...), with a SHA-256 of each
+  array in the file's metadata, since safetensors itself has no checksum, and (from
+  version 2) the SHA-256 of the config, which binds the two files together.
+
+Saving serialises everything first, writes a new directory beside the target and renames
+it into place, so a failed save leaves the old checkpoint as it was. Loading rebuilds the
+model's skeleton from the config without computing anything (`eqx.filter_eval_shape`),
+checks every array against it (names, shapes, dtypes, checksums, the config's hash) and
+only then fills it in, so a bad checkpoint raises and never gives a half-loaded model.
+Nothing is pickled. Version 1 (no config hash) is still read.
+"""
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from ..model._config import DecoderConfig
+from ..model._decoder import RotaryDecoder
+from .._json import peek_json, read_json
+
+
+FORMAT = "eqrope-checkpoint"
+FORMAT_VERSION = 2
+CONFIG_FILE = "config.json"
+ARRAYS_FILE = "model.safetensors"
+_HASH_PREFIX = "sha256:"
+_CONFIG_HASH = "config_sha256"
+
+
+def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
+    """Write `model` to the directory `path` (created if needed) as a checkpoint.
+
+    **Arguments:**
+
+    - `path`: a directory (created if needed). An earlier eqrope checkpoint there is
+      replaced, other files in it are kept; a directory with any other `config.json` (say
+      a Hugging Face model's), or with a `model.safetensors` but no `config.json`, is left
+      alone and the call raises.
+    - `model`: a [`eqrope.RotaryDecoder`][].
+
+    **Returns:** the directory, as a `Path`.
+
+    Everything is checked and serialised before anything is written; the files go into a
+    new directory beside `path`, which is then renamed to `path`. A save that fails at any
+    point leaves an earlier checkpoint at `path` as it was.
+    """
+    if not isinstance(model, RotaryDecoder):
+        raise TypeError(
+            f"eqrope.save takes a RotaryDecoder, got {type(model).__name__}; "
+            "save other pytrees with eqx.tree_serialise_leaves."
+        )
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"eqrope.save: {path} is a file; a checkpoint is a directory, pass a directory path."
+        )
+    arrays = named_arrays(model)
+    problems = compare_to_skeleton(arrays, skeleton(model.config))
+    if problems:
+        raise ValueError(
+            "eqrope.save: the model's arrays do not match its own config, so the checkpoint "
+            "could not be loaded again:\n  " + "\n  ".join(problems) + "\nRebuild the model "
+            "with RotaryDecoder.from_config, or change arrays only with eqx.tree_at keeping "
+            "their shapes and dtypes."
+        )
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.config.to_dict()}
+    config_text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    host = {name: np.ascontiguousarray(np.asarray(a)) for name, a in arrays.items()}
+    metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION)}
+    metadata[_CONFIG_HASH] = _config_digest(config)
+    metadata.update({_HASH_PREFIX + name: _digest(a) for name, a in host.items()})
+    arrays_bytes = safetensors.numpy.save(host, metadata=metadata)
+    files = {ARRAYS_FILE: arrays_bytes, CONFIG_FILE: config_text.encode()}
+    if path.is_dir():
+        _check_replaceable(path)
+    _write_directory(path, files)
+    return path
+
+
+def load(path: str | os.PathLike) -> RotaryDecoder:
+    """Read a checkpoint written by [`eqrope.save`][].
+
+    **Arguments:**
+
+    - `path`: the checkpoint directory.
+
+    **Returns:** the [`eqrope.RotaryDecoder`][], bitwise equal to the one saved.
+
+    Raises `FileNotFoundError` for a missing directory or file and `ValueError` for a
+    damaged file (bad JSON, truncated safetensors, a checksum that does not match), an
+    invalid config, or a config that does not match the arrays (a missing, extra,
+    reshaped or retyped array, or arrays saved with another config).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        hint = (
+            f" Pass the directory {path.parent} instead of the file."
+            if path.name in (CONFIG_FILE, ARRAYS_FILE)
+            else " Pass the directory eqrope.save wrote."
+        )
+        raise FileNotFoundError(f"eqrope.load: no checkpoint directory at {path}.{hint}")
+    config_file, arrays_file = path / CONFIG_FILE, path / ARRAYS_FILE
+    config, version, digest = _read_config(config_file)
+    arrays, bound = _read_arrays(arrays_file)
+    expected = skeleton(config)
+    problems = compare_to_skeleton(arrays, expected)
+    if bound is None and version >= 2:
+        problems.append(f"{arrays_file} has no SHA-256 of its config (format_version {version})")
+    elif bound is not None and bound != digest:
+        problems.append(
+            f"the arrays were saved with a config whose SHA-256 is {bound[:16]}..., "
+            f"the SHA-256 of this config is {digest[:16]}...: they come from different saves"
+        )
+    if problems:
+        raise ValueError(
+            f"eqrope.load: {config_file} and {arrays_file} do not belong together:\n  "
+            + "\n  ".join(problems) + "\nThe config says which arrays the model has; "
+            "restore the matching pair of files (both from the same eqrope.save)."
+        )
+    return fill(expected, arrays)
+
+
+# -- pieces shared with the Hugging Face converter --------------------------------------
+
+
+def skeleton(config: DecoderConfig) -> RotaryDecoder:
+    """The decoder for `config` with `jax.ShapeDtypeStruct` leaves: shapes, no compute."""
+    return eqx.filter_eval_shape(RotaryDecoder.from_config, config, key=jax.random.PRNGKey(0))
+
+
+def named_arrays(model: RotaryDecoder) -> dict[str, jax.Array | jax.ShapeDtypeStruct | np.ndarray]:
+    """Every array leaf of `model` by its pytree path, e.g. `"blocks.attn.wqkv"`."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        name = _path_name(path)
+        if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
+            raise TypeError(
+                f"model field {name!r} holds a {type(leaf).__name__}, not an array; "
+                "checkpoints hold arrays only (hyperparameters live in the config)."
+            )
+        out[name] = leaf
+    return out
+
+
+def compare_to_skeleton(arrays: dict, expected: RotaryDecoder) -> list[str]:
+    """Every difference between `arrays` and the skeleton, one line each (empty: none)."""
+    wanted = named_arrays(expected)
+    problems = [
+        f"missing array {name!r} {_describe(s)}" for name, s in wanted.items() if name not in arrays
+    ]
+    problems += [
+        f"unexpected array {name!r} {_describe(a)}: the config has no such field"
+        for name, a in arrays.items()
+        if name not in wanted
+    ]
+    for name, s in wanted.items():
+        if name not in arrays:
+            continue
+        a = arrays[name]
+        if tuple(a.shape) != tuple(s.shape):
+            problems.append(
+                f"array {name!r} has shape {tuple(a.shape)}, the config needs {tuple(s.shape)}"
+            )
+        elif np.dtype(a.dtype) != np.dtype(s.dtype):
+            problems.append(
+                f"array {name!r} has dtype {np.dtype(a.dtype)}, "
+                f"the config needs {np.dtype(s.dtype)}"
+            )
+    return problems
+
+
+def fill(expected: RotaryDecoder, arrays: dict) -> RotaryDecoder:
+    """The skeleton `expected` with each leaf replaced by `arrays[its path]` (already checked)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(expected)
+    values = [jnp.asarray(arrays[_path_name(path)]) for path, _ in leaves]
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+# -- private helpers -------------------------------------------------------------------
+
+
+def _path_name(path) -> str:
+    parts = []
+    for entry in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return ".".join(parts)
+
+
+def _describe(a) -> str:
+    return f"(shape {tuple(a.shape)}, dtype {np.dtype(a.dtype)})"
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _config_digest(data: dict) -> str:
+    """SHA-256 of the config file's object, in a canonical form (whitespace-free)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_replaceable(path: Path) -> None:
+    config_path = path / CONFIG_FILE
+    if config_path.exists() and peek_json(config_path).get("format") != FORMAT:
+        raise FileExistsError(
+            f"eqrope.save: {config_path} exists and is not an eqrope checkpoint's config; "
+            "refusing to overwrite it. Save into an empty directory."
+        )
+    if not config_path.exists() and (path / ARRAYS_FILE).exists():
+        raise FileExistsError(
+            f"eqrope.save: {path / ARRAYS_FILE} exists without an eqrope {CONFIG_FILE}; "
+            "refusing to overwrite it. Save into an empty directory."
+        )
+
+
+def _write_directory(path: Path, files: dict[str, bytes]) -> None:
+    """Make `path` a directory holding `files`, all at once: they are written into a new
+    directory beside it, which replaces it by renames. An existing `path` keeps its other
+    entries (hard-linked or copied over) and is put back if the swap fails."""
+    target = path.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stem = f".{target.name}.{secrets.token_hex(4)}"
+    tmp, old = target.with_name(stem + ".tmp"), target.with_name(stem + ".old")
+    tmp.mkdir()
+    try:
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        if not target.is_dir():
+            os.replace(tmp, target)
+        else:
+            shutil.copymode(target, tmp)
+            for entry in target.iterdir():
+                if entry.name not in files:
+                    _carry(entry, tmp / entry.name)
+            os.replace(target, old)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        fd = os.open(target.parent, os.O_RDONLY)  # make the renames durable
+        os.fsync(fd)
+        os.close(fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _carry(entry: Path, dest: Path) -> None:
+    """Put `entry` at `dest` too: files and symlinks hard-linked (or copied), folders too."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(entry, dest)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _read_config(file: Path) -> tuple[DecoderConfig, int, str]:
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"eqrope.load: {file} is missing; a checkpoint needs {CONFIG_FILE} and "
+            f"{ARRAYS_FILE} side by side, as eqrope.save writes them."
+        )
+    data = read_json(
+        file, "eqrope.load", "The file is damaged; restore it from the same eqrope.save as the arrays."
+    )
+    if data.get("format") != FORMAT:
+        raise ValueError(
+            f"eqrope.load: {file} has format {data.get('format')!r}, not {FORMAT!r}; it was not "
+            "written by eqrope.save. For a Hugging Face directory use eqrope.from_hf_llama."
+        )
+    version = data.get("format_version")
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(
+            f"eqrope.load: {file} has format_version {version!r}; this eqrope reads versions "
+            f"1..{FORMAT_VERSION}. Upgrade eqrope to read newer checkpoints."
+        )
+    if not isinstance(data.get("config"), dict):
+        raise ValueError(f"eqrope.load: {file} has no 'config' object; the file is damaged.")
+    try:
+        config = DecoderConfig.from_dict(data["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"eqrope.load: the 'config' in {file} is invalid: {e}") from None
+    return config, version, _config_digest(data)
+
+
+def _read_arrays(file: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    """The arrays, checked against their checksums, and the config hash they were saved with."""
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"eqrope.load: {file} is missing; a checkpoint needs {CONFIG_FILE} and "
+            f"{ARRAYS_FILE} side by side, as eqrope.save writes them."
+        )
+    try:
+        with safetensors.safe_open(str(file), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ValueError(
+            f"eqrope.load: {file} is truncated or corrupted and cannot be read "
+            f"({type(e).__name__}: {e}). Restore it from the same eqrope.save as {CONFIG_FILE}."
+        ) from None
+    for name, a in arrays.items():
+        stored = metadata.get(_HASH_PREFIX + name)
+        if stored is None:
+            raise ValueError(
+                f"eqrope.load: {file} has no checksum for array {name!r}; it was not written "
+                "by eqrope.save (or its header was damaged)."
+            )
+        if stored != _digest(a):
+            raise ValueError(
+                f"eqrope.load: array {name!r} in {file} does not match its checksum; the file "
+                f"is corrupted. Restore it from the same eqrope.save as {CONFIG_FILE}."
+            )
+    return arrays, metadata.get(_CONFIG_HASH)

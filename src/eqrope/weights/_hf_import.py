@@ -1,0 +1,203 @@
+"""Hugging Face checkpoints in: `eqrope.from_hf`, with numpy and safetensors (no torch).
+
+`_hf_config.py` reads `config.json` (one family at a time); `_hf.py` says how the weights
+differ (the rotary pairing, the head bias) and `_weights.py` maps them, array by array.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import safetensors
+
+from ._checkpoint import compare_to_skeleton, fill, skeleton
+from .._checks import check_int
+from ..model._config import DecoderConfig
+from ..model._decoder import RotaryDecoder
+from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from ._hf_config import ARCHITECTURES, decoder_config
+from .._json import read_json
+from ._table import from_hf as from_hf_arrays, hf_shapes
+
+
+# Buffers some older checkpoints carry; they are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
+    """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
+
+    Reads `config.json` and the weights (`model.safetensors`, or the shards listed in
+    `model.safetensors.index.json`) with numpy; torch is never imported. The family comes
+    from `config.json`'s `model_type`: `llama` (Llama 2/3.x, SmolLM, TinyLlama),
+    `mistral`, `qwen2` (Qwen2, Qwen2.5) or `qwen3`; [`eqrope.AttentionOptions`][] says
+    what each adds.
+
+    **Arguments:**
+
+    - `path`: the directory `save_pretrained` wrote (or a hub snapshot).
+    - `dtype`: the model's dtype; `None` keeps the checkpoint's (bfloat16 stays
+      bfloat16; norms, softmax and rotary angles compute in float32 whatever it is).
+      `"float32"` converts.
+    - `max_len`: the model's `max_len`, that is the longest cache
+      [`eqrope.generate`][] and `init_cache` may allocate; `None` means the config's
+      `max_position_embeddings`, which bounds it. [`eqrope.generate`][] sizes each call's
+      cache to the call whatever it is.
+
+    **Returns:** a decoder with `head_bias=False`, whose logits are those of the Hugging
+    Face model. The query and key rows are permuted from rotate-half to interleaved pairing
+    (`eqrope.weights._hf.pairing_permutation`; docs/weights.md explains why).
+
+    Config fields that eqrope cannot honour raise a `ValueError` naming the field: an
+    unknown `model_type`, a `hidden_act` other than `silu`, `mlp_bias` without
+    `attention_bias`, a `rope_scaling` type other than `linear`, `llama3`, `yarn` or
+    `dynamic` (or a key eqrope does not know for its type), partial rotary embeddings. So
+    does a field of the wrong type or range (`num_attention_heads: 0`, `hidden_size: "32"`,
+    `rope_theta: null`), a missing or misshapen tensor, and a shard in the index that lies
+    outside `path` (absolute, `..`, or a symlink out of it).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"from_hf: no directory at {path}; pass the directory that "
+            "save_pretrained wrote (config.json + *.safetensors)."
+        )
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"from_hf: {config_file} is missing; a Hugging Face model directory has one."
+        )
+    hf = read_json(config_file, "from_hf")
+    if not isinstance(hf, dict):
+        raise ValueError(f"from_hf: {config_file} is not a JSON object.")
+    max_len = check_int(max_len, "max_len", minimum=1, none=True)
+    # The config is checked before any weights are read; the dtype comes from them.
+    dtype_name = "float32" if dtype is None else np.dtype(dtype).name
+    config = decoder_config(hf, str(config_file), dtype_name, max_len)
+    tensors = _read_tensors(path)
+    embed_name = "model.embed_tokens.weight"
+    if embed_name not in tensors:
+        raise ValueError(
+            f"from_hf: the weights in {path} have no {embed_name!r}; is this a "
+            f"{hf.get('model_type')} causal language model?"
+        )
+    if dtype is None:
+        dtype_name = np.dtype(tensors[embed_name].dtype).name
+        config = decoder_config(hf, str(config_file), dtype_name, max_len)
+    _check_tensors(tensors, config, path, hf["model_type"])
+    arrays = from_hf_arrays(tensors, config)
+    expected = skeleton(config)
+    problems = compare_to_skeleton(arrays, expected)
+    if problems:  # a bug in this converter, not in the user's files
+        raise AssertionError(
+            "from_hf built arrays that do not fit the decoder: " + "; ".join(problems)
+        )
+    return fill(expected, arrays)
+
+
+def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
+    """The former name of [`eqrope.from_hf`][], which now reads every supported family;
+    kept as an alias."""
+    return from_hf(path, dtype=dtype, max_len=max_len)
+
+
+def _check_tensors(tensors: dict, c: DecoderConfig, path: Path, family: str) -> None:
+    """Raise, listing every problem, unless `tensors` are the tensors `c` implies."""
+    shapes = hf_shapes(c)
+    names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
+    if c.tie_embeddings and "lm_head.weight" in names:
+        # Some tied checkpoints store the head anyway; it must be the embedding.
+        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            raise ValueError(
+                f"from_hf: config.json in {path} sets tie_word_embeddings=true but "
+                "lm_head.weight differs from model.embed_tokens.weight; fix the config."
+            )
+        names.discard("lm_head.weight")
+    problems = [f"missing tensor {n!r}" for n in shapes if n not in names]
+    problems += [f"unexpected tensor {n!r}" for n in sorted(names - set(shapes))]
+    problems += [
+        f"tensor {n!r} has shape {tuple(tensors[n].shape)}, config.json implies {s}"
+        for n, s in shapes.items()
+        if n in names and tuple(tensors[n].shape) != s
+    ]
+    problems += [
+        f"tensor {n!r} has dtype {tensors[n].dtype}, not a floating dtype"
+        for n in shapes
+        if n in names and not _is_float(tensors[n].dtype)
+    ]
+    if problems:
+        raise ValueError(
+            f"from_hf: the weights in {path} do not match its config.json:\n  "
+            + "\n  ".join(problems)
+            + f"\nIs this an unmodified {ARCHITECTURES[family]} checkpoint?"
+        )
+
+
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, from the sharded index if there is one."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index, "from_hf").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"from_hf: {index} has no 'weight_map' object.")
+        by_file: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            _check_shard(path, name, shard)
+            by_file.setdefault(shard, []).append(name)
+    elif (path / SINGLE_FILE).is_file():
+        by_file = {SINGLE_FILE: None}
+    else:
+        raise FileNotFoundError(
+            f"from_hf: {path} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the "
+            "model with save_pretrained(..., safe_serialization=True) (no .bin/pickle files)."
+        )
+    tensors = {}
+    for shard, names in by_file.items():
+        file = path / shard
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"from_hf: shard {file} listed in {INDEX_FILE} is missing."
+            )
+        try:
+            with safetensors.safe_open(str(file), framework="numpy") as f:
+                present = set(f.keys())
+                wanted = present if names is None else names
+                absent = sorted(set(wanted) - present)
+                if absent:
+                    raise ValueError(
+                        f"from_hf: {INDEX_FILE} puts {absent[:3]} in {file}, which "
+                        "lacks them."
+                    )
+                for name in wanted:
+                    tensors[name] = f.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:  # safetensors' own errors for a damaged file
+            raise ValueError(
+                f"from_hf: {file} is truncated or corrupted ({type(e).__name__}: {e})."
+            ) from None
+    return tensors
+
+
+def _check_shard(path: Path, name: str, shard) -> None:
+    """Refuse an index entry whose file is not inside `path`: not absolute, no `..` out of
+    it, and no symlink out of it, except into the `blobs/` of a Hugging Face hub cache
+    (`<repo>/snapshots/<revision>/` holds links to `<repo>/blobs/`)."""
+    where = f"from_hf: {path / INDEX_FILE} maps {name!r} to {shard!r}"
+    if not isinstance(shard, str) or not shard:
+        raise ValueError(f"{where}, which is not a file name.")
+    root = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    lexical = Path(os.path.normpath(root / shard))
+    real = (path / shard).resolve()
+    if not lexical.is_relative_to(root) or not any(real.is_relative_to(a) for a in allowed):
+        raise ValueError(
+            f"{where}, which is outside the checkpoint directory (it resolves to {real}); "
+            "refusing to read it. Shards must be files inside the directory."
+        )
