@@ -26,7 +26,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 with install_import_hook("eqrope", "beartype.beartype"):
     import eqrope
     import eqrope.testing
-    from eqrope import _decode, _sampling
+    from eqrope.generation import _decode, _sampling
 
 import equinox as eqx
 import jax.numpy as jnp

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eqrope
-from eqrope import _kernel
+from eqrope.model import _kernel
 
 
 pytestmark = pytest.mark.usefixtures("precision")

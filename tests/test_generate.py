@@ -19,7 +19,7 @@ import pytest
 import eqrope
 from _compiles import counting
 from _models import random_model
-from eqrope import _decode
+from eqrope.generation import _decode
 from eqrope.testing import Uncached
 
 

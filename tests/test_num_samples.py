@@ -12,7 +12,7 @@ import pytest
 import eqrope
 from _compiles import counting
 from _models import random_model
-from eqrope import _decode
+from eqrope.generation import _decode
 from eqrope.generation._request import parse_request
 from eqrope.generation._generation_config import GenerationConfig
 from eqrope.testing import Uncached

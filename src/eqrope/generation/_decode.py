@@ -14,45 +14,23 @@ log-probabilities) the loop is a `lax.scan` over the cache length instead, whose
 iterations are skipped with a `lax.cond`.
 """
 
-import dataclasses
 import functools
-import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ..model._cache import KVCache
-from ._processors import History, prompt_history, record
+from ..model import KVCache
+from ..sharding._rules import constrain, shard_batch
+from ._arrays import rebuild, split_model
+from ._prefill import prepare
+from ._request import Request
+from ._result import NON_FINITE, Outputs, to_host
 from ._sampling import Sampling, choose_token, row_keys
-from ..sharding._rules import constrain
-from ._stopping import ends_with_stop
-from ._stream import emit
-
-
-class TextState(eqx.Module):
-    """The text of each row of a batch, and the bookkeeping that comes with it.
-
-    - `pos`: where each row's next token goes.
-    - `n_new`: tokens generated so far per row.
-    - `done`: rows that have stopped (EOS, a stop sequence, `max_new`, or the cache is
-      full).
-    - `history`: the ids each row has seen and how often it generated each (the
-      penalties read it), updated with each token.
-    - `tokens`, `logprobs`, `model_logprobs`: `(batch, max_len)` buffers of the text and
-      of each new token's log-probabilities, as sampled and under the model (0 elsewhere).
-    - `nonfinite`: rows stopped because their logits held a NaN or an infinity.
-    """
-
-    pos: Int[Array, " batch"]
-    n_new: Int[Array, " batch"]
-    done: Bool[Array, " batch"]
-    history: History
-    tokens: Int[Array, "batch max_len"]
-    logprobs: Float[Array, "batch max_len"]
-    model_logprobs: Float[Array, "batch max_len"]
-    nonfinite: Bool[Array, " batch"]
+from ._state import TextState, check_logits, commit, start_text
+from ._stream import streamed
 
 
 class DecodeState(eqx.Module):
@@ -65,82 +43,28 @@ class DecodeState(eqx.Module):
     text: TextState
 
 
-def start_text(
-    buffer: Int[Array, "batch max_len"], lengths: Int[Array, " batch"], history: History, max_new
-) -> TextState:
-    """The text state before the first new token: each row's prompt, nothing generated."""
-    batch, max_len = buffer.shape
-    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
-    return TextState(
-        pos=lengths,
-        n_new=jnp.zeros((batch,), jnp.int32),
-        done=(max_new <= 0) | (lengths >= max_len),
-        history=history,
-        tokens=buffer,
-        logprobs=zeros((batch, max_len)),
-        model_logprobs=zeros((batch, max_len)),
-        nonfinite=jnp.zeros((batch,), jnp.bool_),
-    )
+def run_cached(model, request: Request) -> Outputs:
+    """Run the plain program for a checked `generate` call (its `on_token` listening).
 
-
-def check_logits(text: TextState, logits: Float[Array, "batch vocab"], active: Bool[Array, " batch"]):
-    """Stop and flag each `active` row whose logits hold a NaN or an infinity; the caller
-    raises. **Returns:** `(text, active)` with those rows done and no longer active."""
-    bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
-    text = dataclasses.replace(text, done=text.done | bad, nonfinite=text.nonfinite | bad)
-    return text, active & ~bad
-
-
-def commit(
-    text: TextState, tok, lp, own, active: Bool[Array, " batch"], max_new, sampling: Sampling, listener
-) -> TextState:
-    """Write each `active` row's token `tok` (with its log-probabilities `lp` and `own`) at
-    its `pos`, and advance the row; the other rows are unchanged.
-
-    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
-    tokens before this one, after `max_new` new tokens, or when the cache is full.
+    Raises `FloatingPointError` when a row met non-finite logits (`check_finite`).
     """
-    batch, max_len = text.tokens.shape
-    pos, rows = text.pos, jnp.arange(batch)
+    buffer, lengths = request.buffer(), request.lengths
+    if request.mesh is not None:
+        buffer, lengths = shard_batch((buffer, lengths), request.mesh, request.rules)
 
-    def write(buffer, value):
-        return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
+    def run(stream_id):
+        return generate_cached(
+            model, buffer, lengths, np.asarray(request.max_new, np.int32), request.sampling,
+            request.key, stream_id, batched=request.batched, chunk=request.chunk,
+            samples=request.samples, stream=stream_id is not None,
+            differentiable=request.differentiable, check_finite=request.check_finite,
+            mesh=request.mesh, rules=request.rules,
+        )  # fmt: skip
 
-    tokens = write(text.tokens, tok)
-    if listener is not None:
-        emit(listener, tok, pos, active)
-    n_new = text.n_new + active.astype(jnp.int32)
-    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
-    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
-    may_end = text.n_new >= sampling.min_new
-    ends = (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
-    return TextState(
-        pos=jnp.where(active, pos + 1, pos),
-        n_new=n_new,
-        done=text.done | (active & ends),
-        history=jax.vmap(record)(text.history, tok, active),
-        tokens=tokens,
-        logprobs=write(text.logprobs, lp),
-        model_logprobs=write(text.model_logprobs, own),
-        nonfinite=text.nonfinite,
-    )
-
-
-def split_model(model):
-    """`(arrays, structure)` for a compiled program: when every leaf of `model` (any
-    pytree) is an array, the flat leaves beside the (hashable) tree structure, skipping
-    `eqx.partition`'s tree walks; otherwise `eqx.partition`'s two halves."""
-    leaves, treedef = jax.tree.flatten(model)
-    if all(isinstance(leaf, jax.Array) for leaf in leaves):
-        return leaves, treedef
-    return eqx.partition(model, eqx.is_array)
-
-
-def rebuild(arrays, structure):
-    """The model `split_model` split."""
-    if isinstance(structure, jax.tree_util.PyTreeDef):
-        return jax.tree.unflatten(structure, arrays)
-    return eqx.combine(arrays, structure)
+    *outputs, nonfinite = streamed(run, request.stream)
+    if to_host(nonfinite):
+        raise FloatingPointError(NON_FINITE)
+    return Outputs(*outputs)
 
 
 def generate_cached(model, *args, **static):
@@ -162,22 +86,6 @@ def generate_cached(model, *args, **static):
 )
 def generate_program(arrays, *args, structure, **static):
     return decode_program(rebuild(arrays, structure), *args, **static)
-
-
-def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
-    """The prefill of a generate program: the batched cache, the float32 logits at each
-    row's last prompt token, and the prompts' histories, each repeated `samples` times
-    (sample-minor) when given. **Returns:** `(cache, logits, buffer, lengths, history)`."""
-    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
-    history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(buffer, lengths)
-    if samples is None:
-        return cache, logits, buffer, lengths, history
-    # One prefill per prompt; its cache rows serve every sample.
-    repeat = functools.partial(jnp.repeat, repeats=samples, axis=0)
-    cache, logits, buffer, lengths, history = jax.tree.map(
-        repeat, (cache, logits, buffer, lengths, history)
-    )
-    return constrain(cache, mesh, rules), logits, buffer, lengths, history
 
 
 def decode_program(
@@ -246,13 +154,6 @@ def decode_program(
     return constrain(outputs, mesh, rules)
 
 
-NON_FINITE = (
-    "generate: the model gave non-finite logits (NaN or inf) for a row still generating, so "
-    "every token after it would be garbage. Check the weights (a diverged training run, an "
-    "overflow in a low-precision dtype) or pass check_finite=False to generate anyway."
-)
-
-
 def decode_step(
     model, max_new, sampling: Sampling, keys, listener, check_finite, mesh, rules, state: DecodeState
 ) -> DecodeState:
@@ -278,42 +179,3 @@ def decode_step(
     logits, cache = jax.vmap(step)(tok, state.cache, step_pos)
     cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
     return DecodeState(cache=cache, logits=logits, text=text)
-
-
-def prefill_rows(
-    model, buffer, lengths, chunk: int, mesh=None, rules=None
-) -> tuple[KVCache, Float[Array, "batch vocab"]]:
-    """Prefill every row in chunks; only chunks that start before the longest prompt run.
-
-    The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
-    may recompute rows an earlier chunk wrote, with the same tokens and positions.
-
-    **Returns:** the batched cache and the float32 logits at each row's last prompt token.
-    """
-    batch, max_len = buffer.shape
-    single = model.init_cache(max_len=max_len)
-    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), single)
-    cache = constrain(cache, mesh, rules)
-    n_chunks = math.ceil(max_len / chunk)
-    longest = jnp.max(lengths)
-
-    def row(ids, length, cache, last, start):
-        piece = jax.lax.dynamic_slice(ids, (start,), (chunk,))
-        logits, cache = model.prefill(piece, cache, start, check=False)
-        index = length - 1 - start
-        here = (index >= 0) & (index < chunk)
-        last = jnp.where(here, logits[jnp.clip(index, 0, chunk - 1)].astype(last.dtype), last)
-        return cache, last
-
-    def body(carry, j):
-        start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
-
-        def run(carry):
-            cache, last = carry
-            return jax.vmap(row, in_axes=(0, 0, 0, 0, None))(buffer, lengths, cache, last, start)
-
-        return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
-
-    last = jnp.zeros((batch, model.vocab_size), jnp.float32)
-    (cache, last), _ = jax.lax.scan(body, (cache, last), jnp.arange(n_chunks, dtype=jnp.int32))
-    return cache, last

@@ -1,67 +1,21 @@
-"""`eqrope.generate`: check the call, run the cached program or the uncached loop, slice.
+"""`eqrope.generate` in four steps: resolve the settings, check them into a `Request`,
+run a program, build the result.
 
-The pieces live beside it: the argument checks in `_generate_args.py`, the cached
-program and its loop state in `_decode.py`, the uncached reference loop in `_uncached.py`,
-the logits processors in `_processors.py`, token sampling in `_sampling.py`, stop
-sequences in `_stopping.py`, `on_token` in `_stream.py`, and the settings' record and
-checks in `_generation_config.py`.
+The settings' record is `_generation_config.py`; the checks, `_request.py`; the programs,
+`_decode.py` (plain), `speculative/_round.py` and `_uncached.py` (the reference loop);
+the result, `_result.py`.
 """
 
 from collections.abc import Callable, Sequence
 
-import equinox as eqx
-import jax
-import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import ArrayLike
 
-from .._checks import check_int, is_concrete
-from ._decode import NON_FINITE, generate_cached
-from .speculative._drafting import check_draft
-from ._request import UNDER_JIT, Request, has_cache_protocol, parse_request
+from ._decode import run_cached
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
-from ..sharding._rules import shard_batch
-from .speculative._round import DRAFT_NON_FINITE, run_speculative
-from ._stream import listening
+from ._request import parse_request
+from ._result import finish
 from ._uncached import generate_uncached
-
-
-class Generation(eqx.Module):
-    """The result of `generate(..., return_logprobs=True)`.
-
-    - `tokens`: as returned by `generate` (prompt, new tokens, then `pad_id`).
-    - `logprobs`: the log-probability of each generated token under the distribution it
-      was sampled from, after every processor (penalties, `bad_ids` and `min_new` masks,
-      temperature, top-k, top-p, min-p; greedy decoding: the softmax of the penalized and
-      masked logits), at its position, and 0 at prompt and padding positions, so
-      `logprobs.sum(-1)` is the log-probability of the generated text under the sampler.
-    - `model_logprobs`: the same tokens' log-probabilities under the model's own
-      distribution at the sampling temperature, `log_softmax(logits / temperature)`
-      (temperature 1 when greedy), without penalties, masks or truncation; 0 elsewhere.
-    - `lengths`: the number of valid tokens (prompt plus generated) of each row.
-    - `target_steps`: how many times the model ran for each row after the prefill: one
-      step per new token without a draft; with `draft=`, one per round, a round verifying
-      `draft_len` drafted tokens in one pass.
-    - `drafted`, `accepted`: the drafted tokens each row was offered and how many it
-      kept; 0 without a draft. A round offers `draft_len` drafts, or as many tokens as
-      the row may still add (`max_new`, the cache) when that is fewer, so a draft that
-      always agrees with the model has every draft accepted.
-
-    With `num_samples`, each field has the samples' axis after the batch's.
-    """
-
-    tokens: Int[Array, "*batch total"]
-    logprobs: Float[Array, "*batch total"]
-    model_logprobs: Float[Array, "*batch total"]
-    lengths: Int[Array, "*batch"]
-    target_steps: Int[Array, "*batch"]
-    drafted: Int[Array, "*batch"]
-    accepted: Int[Array, "*batch"]
-
-    @property
-    def acceptance(self) -> float:
-        """The fraction of drafted tokens accepted, over every row (NaN without drafts)."""
-        drafted = int(np.sum(np.asarray(self.drafted)))
-        return int(np.sum(np.asarray(self.accepted))) / drafted if drafted else float("nan")
+from .speculative._round import run_speculative
 
 
 def generate(
@@ -211,104 +165,12 @@ def generate(
     )  # fmt: skip
     request = parse_request(
         model, prompt, settings, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
-        stream=on_token,
+        stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
+        check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
     )  # fmt: skip
-    if rules is not None and mesh is None:
-        raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
-    draft, draft_len, accept = check_draft(model, draft, draft_len, accept, request.max_len)
-    if draft is not None:
-        chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-        results = run_speculative(model, draft, request, chunk, check_finite, mesh, draft_len, accept)
-        outputs, (nonfinite, draft_nonfinite), counters = results[:4], results[4:6], results[6:]
-        if _to_host(nonfinite):
-            raise FloatingPointError(NON_FINITE)
-        if _to_host(draft_nonfinite):
-            raise FloatingPointError(DRAFT_NON_FINITE)
-        return _finish(request, *outputs, return_logprobs, tuple(map(_to_host, counters)))
-    if has_cache_protocol(model):
-        chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-        *outputs, nonfinite = _run_cached(model, request, chunk, check_finite, mesh, rules)
-        if _to_host(nonfinite):
-            raise FloatingPointError(NON_FINITE)
-    elif mesh is not None:
-        raise ValueError("mesh is only for models with the cache protocol.")
-    else:
-        outputs = generate_uncached(model, request, check_finite)
-    return _finish(request, *outputs, return_logprobs)
+    outputs = _PROGRAMS[request.program](model, request)
+    return finish(request, outputs, return_logprobs)
 
 
-def _run_cached(model, request: Request, chunk: int, check_finite, mesh, rules):
-    buffer, lengths = request.buffer(), request.lengths
-    if mesh is not None:
-        buffer, lengths = shard_batch((buffer, lengths), mesh, rules)
-    # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
-    differentiable = not all(map(is_concrete, jax.tree.leaves(model)))
-
-    def run(stream_id):
-        return generate_cached(
-            model,
-            buffer,
-            lengths,
-            np.asarray(request.max_new, np.int32),
-            request.sampling,
-            request.key,
-            stream_id,
-            batched=request.batched,
-            chunk=min(chunk, request.max_len),
-            samples=request.samples,
-            stream=stream_id is not None,
-            differentiable=differentiable,
-            check_finite=bool(check_finite),
-            mesh=mesh,
-            rules=rules,
-        )
-
-    if request.stream is None:
-        return run(None)
-    if differentiable or mesh is not None:
-        raise ValueError(
-            "on_token streams from a plain generate call; it is not supported under "
-            "jax.grad or with mesh=. Generate without on_token there."
-        )
-    with listening(request.stream) as stream_id:
-        return jax.block_until_ready(run(stream_id))
-
-
-def _finish(
-    request: Request, tokens, logprobs, model_logprobs, ends, return_logprobs: bool, counters=None
-):
-    """Cut the `(rows, max_len)` buffers to `total`, pad after each row's end, shape
-    them `(*batch, *samples, total)`, and return the tokens or a [`eqrope.Generation`][].
-
-    On the host: eager jnp ops would compile anew for every `total`. Under `jax.grad` the
-    log-probabilities are tracers and are sliced with jnp.
-    """
-    total = request.total
-    ends = _to_host(ends).astype(np.int32)
-    inside = np.arange(total)[None, :] < ends[:, None]
-    tokens = np.where(inside, np.asarray(tokens)[:, :total], request.pad_id).astype(np.int32)
-    lead = (request.prompt.shape[0],) if request.batched else ()
-    lead += (request.samples,) if request.samples is not None else ()
-    tokens, ends = tokens.reshape(*lead, total), ends.reshape(lead)
-    # `jax.device_put`, not `jnp.asarray`, which compiles a small program per shape.
-    if not return_logprobs:
-        return jax.device_put(tokens)
-    # The log-probabilities are already 0 outside the generated positions.
-    both = [
-        (np.asarray(x)[:, :total] if is_concrete(x) else x[:, :total]).reshape(*lead, total)
-        for x in (logprobs, model_logprobs)
-    ]
-    if counters is None:  # one model pass per new token, no drafts
-        new = ends - np.repeat(request.lengths, request.samples or 1).reshape(lead)
-        counters = (new, np.zeros_like(new), np.zeros_like(new))
-    counters = tuple(np.asarray(c, np.int32).reshape(lead) for c in counters)
-    tokens, logprobs, model_logprobs, ends, counters = jax.device_put((tokens, *both, ends, counters))
-    return Generation(tokens, logprobs, model_logprobs, ends, *counters)
-
-
-def _to_host(x) -> np.ndarray:
-    """`np.asarray(x)`; a tracer here means `generate` was called under `jax.jit`."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        raise TypeError(UNDER_JIT.format(name="model")) from None
+# Each runs its compiled program (or the reference loop) and returns its `Outputs`.
+_PROGRAMS = {"cached": run_cached, "speculative": run_speculative, "uncached": generate_uncached}

@@ -3,7 +3,7 @@
 Its checks are the only checks of these settings: `generate`'s keywords become a
 `GenerationConfig` (over the one passed as `config=`), so a bad value raises the same
 message whichever way it came. The checks that need the vocabulary (token ids below
-`vocab_size`) run in `_generate_args.py`, once the model is known.
+`vocab_size`) run in `_request.py`, once the model is known.
 """
 
 import dataclasses

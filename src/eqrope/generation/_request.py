@@ -16,6 +16,8 @@ from .._checks import as_int_array, check_int, check_vocab, is_concrete
 from ._generation_config import GenerationConfig, token_id
 from ._sampling import Sampling
 from ._stopping import stop_table
+from .speculative._acceptance import RULES
+from .speculative._prompt_lookup import PromptLookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,13 @@ class Request:
     - `pad_id`: fills positions after a row's end.
     - `samples`: `num_samples` (`None`: one sample per prompt, without its axis).
     - `stream`: the `on_token` callback, or `None`.
+    - `program`: which program runs the call: `"cached"` (a model with the cache
+      protocol), `"speculative"` (with a `draft`) or `"uncached"` (any causal callable).
+    - `chunk`: the prefill chunk; `check_finite`: stop and raise on non-finite logits.
+    - `draft`, `draft_len`, `accept`: the speculative settings (`None` without a draft).
+    - `mesh`, `rules`: the device mesh and its sharding rules, or `None`.
+    - `differentiable`: the model's arrays are being differentiated (`jax.grad`), so the
+      loop must be a scan.
     """
 
     batched: bool
@@ -42,6 +51,15 @@ class Request:
     pad_id: int
     samples: int | None = None
     stream: Callable[[int, int, int], object] | None = None
+    program: str = "uncached"
+    chunk: int = 64
+    check_finite: bool = True
+    draft: object = None
+    draft_len: int | None = None
+    accept: str | None = None
+    mesh: object = None
+    rules: object = None
+    differentiable: bool = False
 
     def buffer(self) -> np.ndarray:
         """The prompts in `(batch, max_len)` rows, one column per cache row."""
@@ -88,12 +106,28 @@ def cache_rows(seq: int, max_new: int, model_max_len: int, max_len: int | None) 
 
 
 def parse_request(
-    model, prompt, settings: GenerationConfig, *, max_len, key, prompt_lengths, stream=None
+    model,
+    prompt,
+    settings: GenerationConfig,
+    *,
+    max_len=None,
+    key=None,
+    prompt_lengths=None,
+    stream=None,
+    draft=None,
+    draft_len=None,
+    accept=None,
+    check_finite=True,
+    prefill_chunk=64,
+    mesh=None,
+    rules=None,
 ) -> Request:
-    """Check every argument of `generate` that is about the text and the sampling.
+    """Check every argument of `generate` beside the model's arrays into a `Request`.
 
     `settings` is already checked (`GenerationConfig`); here come the checks that need
-    the model: the prompt, the cache length, and token ids below its `vocab_size`.
+    the model: the prompt, the cache length, token ids below its `vocab_size`, the draft,
+    and which program can run the call (`jax.grad`, a mesh and `on_token` each rule some
+    out).
     """
     for name, value in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
         if not is_concrete(value):
@@ -131,10 +165,102 @@ def parse_request(
         bad=_padded(bad_ids),
         stop=stop_table(stop),
     )
-    return Request(
+    request = Request(
         batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id,
         settings.num_samples, stream,
     )  # fmt: skip
+    return _check_program(
+        request, model, draft, draft_len, accept, check_finite, prefill_chunk, mesh, rules
+    )
+
+
+def _check_program(request, model, draft, draft_len, accept, check_finite, chunk, mesh, rules):
+    """`request` with the program that runs it and that program's settings, checked."""
+    if rules is not None and mesh is None:
+        raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
+    draft, draft_len, accept = _check_draft(model, draft, draft_len, accept, request.max_len)
+    cached = has_cache_protocol(model)
+    if not cached:
+        if mesh is not None:
+            raise ValueError("mesh is only for models with the cache protocol.")
+        return dataclasses.replace(request, check_finite=bool(check_finite))
+    chunk = min(check_int(chunk, "prefill_chunk", minimum=1), request.max_len)
+    # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
+    differentiable = not all(map(is_concrete, jax.tree.leaves((model, draft))))
+    if draft is not None:
+        if mesh is not None:
+            raise ValueError("draft= does not run with mesh= yet; generate on a mesh without a draft.")
+        if differentiable:
+            raise ValueError(
+                "draft= runs a while loop, which jax.grad cannot differentiate; take gradients "
+                "of generate without a draft (the log-probabilities do not depend on it)."
+            )
+    elif request.stream is not None and (differentiable or mesh is not None):
+        raise ValueError(
+            "on_token streams from a plain generate call; it is not supported under "
+            "jax.grad or with mesh=. Generate without on_token there."
+        )
+    return dataclasses.replace(
+        request, program="cached" if draft is None else "speculative", chunk=chunk,
+        check_finite=bool(check_finite), draft=draft, draft_len=draft_len, accept=accept,
+        mesh=mesh, rules=rules, differentiable=differentiable,
+    )  # fmt: skip
+
+
+def _check_draft(model, draft, draft_len, accept, max_len: int):
+    """The checked `(draft, draft_len, accept)` of a `generate` call whose cache has
+    `max_len` rows: `draft` a model or a `PromptLookup` (`"prompt_lookup"` is the default
+    one), or all three `None` when `draft` is `None`."""
+    if draft is None:
+        for name, value in (("draft_len", draft_len), ("accept", accept)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}={value!r} sets up speculative decoding, which needs a draft: "
+                    "pass draft=a_small_model or draft='prompt_lookup' too."
+                )
+        return None, None, None
+    if not has_cache_protocol(model):
+        raise ValueError(
+            "draft= speeds up the cached path; the model has no cache protocol (init_cache, "
+            "prefill, step), so generate it without a draft."
+        )
+    if isinstance(draft, str):
+        if draft != "prompt_lookup":
+            raise ValueError(
+                f"draft={draft!r}: the one named draft is 'prompt_lookup'; otherwise pass a "
+                "model with the cache protocol, or eqrope.PromptLookup(...)."
+            )
+        draft = PromptLookup()
+    elif not isinstance(draft, PromptLookup):
+        _check_draft_model(model, draft, max_len)
+    draft_len = check_int(4 if draft_len is None else draft_len, "draft_len", minimum=1)
+    if draft_len + 1 > max_len:
+        raise ValueError(
+            f"draft_len={draft_len} verifies {draft_len + 1} positions at once, more than the "
+            f"call's {max_len} cache rows; pass a smaller draft_len or a larger max_len."
+        )
+    accept = "residual" if accept is None else accept
+    if accept not in RULES:
+        raise ValueError(f"accept must be one of {RULES}, got {accept!r}.")
+    return draft, draft_len, accept
+
+
+def _check_draft_model(model, draft, max_len: int) -> None:
+    if not has_cache_protocol(draft):
+        raise TypeError(
+            "draft must be a model with the cache protocol (init_cache, prefill, step), such "
+            f"as a small eqrope.RotaryDecoder, or 'prompt_lookup'; got {type(draft).__name__}."
+        )
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(
+            f"the draft's vocab_size is {draft.vocab_size} but the model's is "
+            f"{model.vocab_size}; a draft must share the model's vocabulary (its tokenizer)."
+        )
+    if draft.max_len < max_len:
+        raise ValueError(
+            f"the draft's max_len is {draft.max_len}, but this call's cache has {max_len} rows; "
+            f"pass max_len <= {draft.max_len}, or use a draft built for more positions."
+        )
 
 
 def _check_ids(settings: GenerationConfig, vocab: int | None):

@@ -48,6 +48,15 @@ def listening(on_token: Callable[[int, int, int], object]) -> Iterator[np.ndarra
         raise listener.error
 
 
+def streamed(run: Callable[[np.ndarray | None], object], on_token) -> object:
+    """`run(stream_id)`: `run(None)` without `on_token`; with it, inside `listening`, the
+    results ready before the listener is released."""
+    if on_token is None:
+        return run(None)
+    with listening(on_token) as stream_id:
+        return jax.block_until_ready(run(stream_id))
+
+
 def _deliver(ident, tokens, positions, active) -> None:
     listener = _LISTENERS.get(int(ident))
     if listener is None or listener.error is not None:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._decode import NON_FINITE
 from ._request import Request
+from ._result import NON_FINITE, Outputs
 from ._processors import History
 from ._sampling import choose_token, row_keys
 from ._stopping import host_ends_with_stop
@@ -44,9 +44,7 @@ def _history(prompt: list[int], new: list[int], vocab: int) -> History:
     return History(seen, counts)
 
 
-def generate_uncached(
-    model, request: Request, check_finite: bool = True
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def generate_uncached(model, request: Request) -> Outputs:
     """The reference loop, with the same sampling and keys as the cached program.
 
     The text is padded on the right to `uncached_bucket` tokens; a causal model's logits
@@ -54,8 +52,7 @@ def generate_uncached(
     step gives every unfinished row one token, rows in order, so `on_token` is called in
     the cached program's order.
 
-    **Returns:** `(tokens, logprobs, model_logprobs, ends)` as NumPy arrays, laid out as
-    the cached program's.
+    **Returns:** the `Outputs`, as NumPy arrays laid out as the cached program's.
     """
     rows, max_len, n = request.rows, request.max_len, request.samples or 1
     sampling = request.sampling
@@ -77,7 +74,7 @@ def generate_uncached(
             padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
             padded[:pos] = text
             logits = _last_logits(model, jnp.asarray(padded), jnp.asarray(pos - 1, jnp.int32))
-            if check_finite and not np.isfinite(np.asarray(logits)).all():
+            if request.check_finite and not np.isfinite(np.asarray(logits)).all():
                 raise FloatingPointError(NON_FINITE)
             history = _history(prompts[r], new[r], logits.shape[0])
             n_new = np.int32(len(new[r]))
@@ -93,4 +90,4 @@ def generate_uncached(
     for r in range(rows):
         tokens[r, : len(prompts[r])] = prompts[r]
     ends = np.asarray([len(p) + len(t) for p, t in zip(prompts, new)], np.int32)
-    return tokens, logprobs, model_logprobs, ends
+    return Outputs(tokens, logprobs, model_logprobs, ends)

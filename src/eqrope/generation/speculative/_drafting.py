@@ -1,5 +1,5 @@
-"""Drafts for speculative decoding: what may draft (checked on the host), and drafting with
-a small model inside the compiled loop.
+"""Drafting with a small model inside the compiled loop (what may draft is checked with
+the rest of the call, in `eqrope.generation._request`).
 
 A draft model keeps its own cache in the loop's state. Between rounds it holds the rows
 of every position before the text's last two: each round feeds it those two tokens in one
@@ -13,69 +13,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ._acceptance import RULES
-from ...model._cache import KVCache
-from ..._checks import check_int
-from .._request import has_cache_protocol
+from ...model import KVCache
 from .._processors import History, record
-from ._prompt_lookup import PromptLookup
 from .._sampling import Sampling, draw, process_logits
-
-
-def check_draft(model, draft, draft_len, accept, max_len: int):
-    """The checked `(draft, draft_len, accept)` of a `generate` call whose cache has
-    `max_len` rows: `draft` a model or a `PromptLookup` (`"prompt_lookup"` is the default
-    one), or all three `None` when `draft` is `None`."""
-    if draft is None:
-        for name, value in (("draft_len", draft_len), ("accept", accept)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}={value!r} sets up speculative decoding, which needs a draft: "
-                    "pass draft=a_small_model or draft='prompt_lookup' too."
-                )
-        return None, None, None
-    if not has_cache_protocol(model):
-        raise ValueError(
-            "draft= speeds up the cached path; the model has no cache protocol (init_cache, "
-            "prefill, step), so generate it without a draft."
-        )
-    if isinstance(draft, str):
-        if draft != "prompt_lookup":
-            raise ValueError(
-                f"draft={draft!r}: the one named draft is 'prompt_lookup'; otherwise pass a "
-                "model with the cache protocol, or eqrope.PromptLookup(...)."
-            )
-        draft = PromptLookup()
-    elif not isinstance(draft, PromptLookup):
-        _check_draft_model(model, draft, max_len)
-    draft_len = check_int(4 if draft_len is None else draft_len, "draft_len", minimum=1)
-    if draft_len + 1 > max_len:
-        raise ValueError(
-            f"draft_len={draft_len} verifies {draft_len + 1} positions at once, more than the "
-            f"call's {max_len} cache rows; pass a smaller draft_len or a larger max_len."
-        )
-    accept = "residual" if accept is None else accept
-    if accept not in RULES:
-        raise ValueError(f"accept must be one of {RULES}, got {accept!r}.")
-    return draft, draft_len, accept
-
-
-def _check_draft_model(model, draft, max_len: int) -> None:
-    if not has_cache_protocol(draft):
-        raise TypeError(
-            "draft must be a model with the cache protocol (init_cache, prefill, step), such "
-            f"as a small eqrope.RotaryDecoder, or 'prompt_lookup'; got {type(draft).__name__}."
-        )
-    if draft.vocab_size != model.vocab_size:
-        raise ValueError(
-            f"the draft's vocab_size is {draft.vocab_size} but the model's is "
-            f"{model.vocab_size}; a draft must share the model's vocabulary (its tokenizer)."
-        )
-    if draft.max_len < max_len:
-        raise ValueError(
-            f"the draft's max_len is {draft.max_len}, but this call's cache has {max_len} rows; "
-            f"pass max_len <= {draft.max_len}, or use a draft built for more positions."
-        )
 
 
 def model_drafts(

@@ -27,15 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, Key
 
-from ._acceptance import judge
-from ...model._cache import KVCache
-from ..._checks import is_concrete
-from .._decode import TextState, check_logits, commit, prepare, rebuild, split_model, start_text
-from ._drafting import model_drafts
+from ...model import KVCache
+from .._arrays import rebuild, split_model
+from .._prefill import prepare
 from .._request import Request
-from ._prompt_lookup import PromptLookup, lookup_drafts
+from .._result import NON_FINITE, Outputs, to_host
 from .._sampling import Sampling, model_logprob, process_logits, row_keys
-from .._stream import listening
+from .._state import TextState, check_logits, commit, start_text
+from .._stream import streamed
+from ._acceptance import judge
+from ._drafting import model_drafts
+from ._prompt_lookup import PromptLookup, lookup_drafts
 
 
 class SpeculativeState(eqx.Module):
@@ -190,32 +192,29 @@ def _verify(model, cache: KVCache, tokens, pos, drafts):
     return logits.astype(jnp.float32), cache
 
 
-def run_speculative(model, draft, request: Request, chunk: int, check_finite, mesh, draft_len, rule):
+def run_speculative(model, request: Request) -> Outputs:
     """Run `speculative_program` for a checked `generate` call (its `on_token` listening).
 
-    **Returns:** `speculative_decode`'s outputs.
+    Raises `FloatingPointError` when a row met non-finite logits of the model or the draft.
     """
-    if mesh is not None:
-        raise ValueError("draft= does not run with mesh= yet; generate on a mesh without a draft.")
-    if not all(map(is_concrete, jax.tree.leaves((model, draft)))):
-        raise ValueError(
-            "draft= runs a while loop, which jax.grad cannot differentiate; take gradients "
-            "of generate without a draft (the log-probabilities do not depend on it)."
-        )
 
     def run(stream_id):
         return speculate_cached(
-            model, draft, request.buffer(), request.lengths,
+            model, request.draft, request.buffer(), request.lengths,
             np.asarray(request.max_new, np.int32), request.sampling, request.key, stream_id,
-            batched=request.batched, chunk=min(chunk, request.max_len), samples=request.samples,
-            stream=stream_id is not None, check_finite=bool(check_finite), draft_len=draft_len,
-            rule=rule,
+            batched=request.batched, chunk=request.chunk, samples=request.samples,
+            stream=stream_id is not None, check_finite=request.check_finite,
+            draft_len=request.draft_len, rule=request.accept,
         )  # fmt: skip
 
-    if request.stream is None:
-        return run(None)
-    with listening(request.stream) as stream_id:
-        return jax.block_until_ready(run(stream_id))
+    tokens, logprobs, model_logprobs, ends, nonfinite, draft_nonfinite, *counters = streamed(
+        run, request.stream
+    )
+    if to_host(nonfinite):
+        raise FloatingPointError(NON_FINITE)
+    if to_host(draft_nonfinite):
+        raise FloatingPointError(DRAFT_NON_FINITE)
+    return Outputs(tokens, logprobs, model_logprobs, ends, tuple(map(to_host, counters)))
 
 
 DRAFT_NON_FINITE = (

@@ -1,0 +1,25 @@
+"""A model as the arguments of a compiled program: its arrays, beside a hashable structure.
+
+`jax.jit` with the structure static is `eqx.filter_jit` without its per-call tree walks,
+which dominate the fixed cost of generating with a small model.
+"""
+
+import equinox as eqx
+import jax
+
+
+def split_model(model):
+    """`(arrays, structure)` for a compiled program: when every leaf of `model` (any
+    pytree) is an array, the flat leaves beside the (hashable) tree structure, skipping
+    `eqx.partition`'s tree walks; otherwise `eqx.partition`'s two halves."""
+    leaves, treedef = jax.tree.flatten(model)
+    if all(isinstance(leaf, jax.Array) for leaf in leaves):
+        return leaves, treedef
+    return eqx.partition(model, eqx.is_array)
+
+
+def rebuild(arrays, structure):
+    """The model `split_model` split."""
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        return jax.tree.unflatten(structure, arrays)
+    return eqx.combine(arrays, structure)

@@ -1,0 +1,104 @@
+"""The text of a generation, as a value: each row's tokens, position and bookkeeping.
+
+Both programs, the plain decode loop (`_decode.py`) and the speculative round
+(`speculative/_round.py`), start a `TextState` here, check each step's logits and
+`commit` their tokens with it, so a row ends by the same rules in both.
+"""
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ._processors import History, record
+from ._sampling import Sampling
+from ._stopping import ends_with_stop
+from ._stream import emit
+
+
+class TextState(eqx.Module):
+    """The text of each row of a batch, and the bookkeeping that comes with it.
+
+    - `pos`: where each row's next token goes.
+    - `n_new`: tokens generated so far per row.
+    - `done`: rows that have stopped (EOS, a stop sequence, `max_new`, or the cache is
+      full).
+    - `history`: the ids each row has seen and how often it generated each (the
+      penalties read it), updated with each token.
+    - `tokens`, `logprobs`, `model_logprobs`: `(batch, max_len)` buffers of the text and
+      of each new token's log-probabilities, as sampled and under the model (0 elsewhere).
+    - `nonfinite`: rows stopped because their logits held a NaN or an infinity.
+    """
+
+    pos: Int[Array, " batch"]
+    n_new: Int[Array, " batch"]
+    done: Bool[Array, " batch"]
+    history: History
+    tokens: Int[Array, "batch max_len"]
+    logprobs: Float[Array, "batch max_len"]
+    model_logprobs: Float[Array, "batch max_len"]
+    nonfinite: Bool[Array, " batch"]
+
+
+def start_text(
+    buffer: Int[Array, "batch max_len"], lengths: Int[Array, " batch"], history: History, max_new
+) -> TextState:
+    """The text state before the first new token: each row's prompt, nothing generated."""
+    batch, max_len = buffer.shape
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    return TextState(
+        pos=lengths,
+        n_new=jnp.zeros((batch,), jnp.int32),
+        done=(max_new <= 0) | (lengths >= max_len),
+        history=history,
+        tokens=buffer,
+        logprobs=zeros((batch, max_len)),
+        model_logprobs=zeros((batch, max_len)),
+        nonfinite=jnp.zeros((batch,), jnp.bool_),
+    )
+
+
+def check_logits(text: TextState, logits: Float[Array, "batch vocab"], active: Bool[Array, " batch"]):
+    """Stop and flag each `active` row whose logits hold a NaN or an infinity; the caller
+    raises. **Returns:** `(text, active)` with those rows done and no longer active."""
+    bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
+    text = dataclasses.replace(text, done=text.done | bad, nonfinite=text.nonfinite | bad)
+    return text, active & ~bad
+
+
+def commit(
+    text: TextState, tok, lp, own, active: Bool[Array, " batch"], max_new, sampling: Sampling, listener
+) -> TextState:
+    """Write each `active` row's token `tok` (with its log-probabilities `lp` and `own`) at
+    its `pos`, and advance the row; the other rows are unchanged.
+
+    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
+    tokens before this one, after `max_new` new tokens, or when the cache is full.
+    """
+    batch, max_len = text.tokens.shape
+    pos, rows = text.pos, jnp.arange(batch)
+
+    def write(buffer, value):
+        return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
+
+    tokens = write(text.tokens, tok)
+    if listener is not None:
+        emit(listener, tok, pos, active)
+    n_new = text.n_new + active.astype(jnp.int32)
+    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
+    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
+    may_end = text.n_new >= sampling.min_new
+    ends = (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
+    return TextState(
+        pos=jnp.where(active, pos + 1, pos),
+        n_new=n_new,
+        done=text.done | (active & ends),
+        history=jax.vmap(record)(text.history, tok, active),
+        tokens=tokens,
+        logprobs=write(text.logprobs, lp),
+        model_logprobs=write(text.model_logprobs, own),
+        nonfinite=text.nonfinite,
+    )
