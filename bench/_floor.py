@@ -96,6 +96,63 @@ def floor_generate(w, prompt, *, s: Sizes, max_new: int, cache_len: int):
     return jnp.concatenate([prompt, first[None], rest])
 
 
+def unrolled_weights(w: dict) -> dict:
+    """The floor's weights with each block's arrays split out, once, before any call:
+    `w["layers"]` is a tuple of per-block tuples."""
+    names = ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm")
+    n = w["wqkv"].shape[0]
+    layers = tuple(tuple(jnp.array(w[k][i]) for k in names) for i in range(n))
+    rest = {k: v for k, v in w.items() if k not in names}
+    return {**rest, "layers": layers}
+
+
+def forward_unrolled(w, s: Sizes, ids, pos, caches):
+    """`forward` with a Python `for` over the blocks, each with its own weight arrays
+    and its own `(keys, values)` buffers, so nothing is sliced out of a stacked array."""
+    seq, hd, kv, group = ids.shape[0], s.head_dim, s.n_kv_heads, s.n_heads // s.n_kv_heads
+    positions = pos + jnp.arange(seq)
+    inv_freq = jnp.asarray(1.0 / np.float32(s.rope_base) ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    visible = jnp.arange(caches[0][0].shape[1])[None, :] <= positions[:, None]
+    x, out = w["embed"][ids], []
+    for (wqkv, wo, w_gate_up, w_down, attn_norm, mlp_norm), (keys, values) in zip(w["layers"], caches):
+        q, k, v = jnp.split(rms_norm(x, attn_norm, s.norm_eps) @ wqkv, [s.n_heads * hd, (s.n_heads + kv) * hd], -1)
+        q = rope(q.reshape(seq, s.n_heads, hd), positions, inv_freq).reshape(seq, kv, group, hd)
+        k = rope(k.reshape(seq, kv, hd), positions, inv_freq).transpose(1, 0, 2)
+        keys = jax.lax.dynamic_update_slice(keys, k, (0, pos, 0))
+        values = jax.lax.dynamic_update_slice(values, v.reshape(seq, kv, hd).transpose(1, 0, 2), (0, pos, 0))
+        scores = jnp.einsum("skgd,ktd->kgst", q, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+        attn = jnp.einsum("kgst,ktd->skgd", p.astype(x.dtype), values).reshape(seq, -1)
+        x = x + attn @ wo
+        gate, up = jnp.split(rms_norm(x, mlp_norm, s.norm_eps) @ w_gate_up, 2, -1)
+        x = x + (jax.nn.silu(gate) * up) @ w_down
+        out.append((keys, values))
+    x = rms_norm(x, w["final_norm"], s.norm_eps)
+    head = w["head"] if w["head"] is not None else w["embed"].T
+    logits = x @ head
+    if w["head_bias"] is not None:
+        logits = logits + w["head_bias"]
+    return logits, out
+
+
+@functools.partial(jax.jit, static_argnames=("s", "max_new", "cache_len"))
+def floor_generate_unrolled(w, prompt, *, s: Sizes, max_new: int, cache_len: int):
+    """`floor_generate` on `unrolled_weights`: per-block weights and caches."""
+    shape = (s.n_kv_heads, cache_len, s.head_dim)
+    caches = [(jnp.zeros(shape, w["embed"].dtype), jnp.zeros(shape, w["embed"].dtype)) for _ in w["layers"]]
+    logits, caches = forward_unrolled(w, s, prompt, 0, caches)
+    first = jnp.argmax(logits[-1]).astype(prompt.dtype)
+
+    def step(carry, _):
+        token, pos, caches = carry
+        logits, caches = forward_unrolled(w, s, token[None], pos, caches)
+        token = jnp.argmax(logits[0]).astype(prompt.dtype)
+        return (token, pos + 1, caches), token
+
+    _, rest = jax.lax.scan(step, (first, prompt.shape[0], caches), None, length=max_new - 1)
+    return jnp.concatenate([prompt, first[None], rest])
+
+
 def default_cache_len(seq: int, max_new: int, model_max_len: int) -> int:
     """What `eqrope.generate` picks by default: the smallest power of two (at least 16)
     holding the prompt and the new tokens, capped at the model's `max_len`."""
@@ -103,31 +160,47 @@ def default_cache_len(seq: int, max_new: int, model_max_len: int) -> int:
 
 
 def floor_protocol(cfg: dict, model) -> dict:
-    """The seed protocol on the floor and on `eqrope.generate`, calls interleaved."""
+    """The seed protocol on both floors and on `eqrope.generate`, calls interleaved.
+
+    The floor is the unrolled one (per-block weights split once before the call, per-block
+    caches, a Python `for` over the blocks); the stacked floor (a `lax.scan` over stacked
+    blocks) is kept beside it so that the layout's effect shows. eqrope runs the model as
+    built (stacked; `generate` slices its blocks once per call) and held unstacked
+    (`model.unstacked()`, as `from_hf(..., layout="unstacked")` gives).
+    """
     prompt = jnp.arange(8, dtype=jnp.int32)
     new = cfg["seed_new"]
     w, s = floor_weights(model)
+    wu = unrolled_weights(w)
+    held = model.unstacked()
     cache_len = default_cache_len(8, new, model.max_len)
-    fns = {"eqrope": lambda: eqrope.generate(model, prompt, new),
-           "floor": lambda: floor_generate(w, prompt, s=s, max_new=new, cache_len=cache_len)}
+    fns = {"eqrope": lambda: eqrope.generate(held, prompt, new),
+           "eqrope_stacked": lambda: eqrope.generate(model, prompt, new),
+           "floor": lambda: floor_generate_unrolled(wu, prompt, s=s, max_new=new, cache_len=cache_len),
+           "stacked_floor": lambda: floor_generate(w, prompt, s=s, max_new=new, cache_len=cache_len)}
     t = time_calls(fns, repeats=cfg["floor_repeats"])
     tokens = {k: np.asarray(v["result"]) for k, v in t.items()}
     ratio = t["eqrope"]["median_s"] / t["floor"]["median_s"]
-    log(f"  floor: eqrope {t['eqrope']['median_s'] * 1e3:.2f} ms, floor "
-        f"{t['floor']['median_s'] * 1e3:.2f} ms, ratio {ratio:.2f}")
+    ms = lambda k: f"{t[k]['median_s'] * 1e3:.2f} ms"
+    log(f"  floor: eqrope {ms('eqrope')} (stacked model {ms('eqrope_stacked')}), unrolled floor "
+        f"{ms('floor')}, stacked floor {ms('stacked_floor')}; ratio {ratio:.2f}")
     return {
-        "eqrope": without_result(t["eqrope"]),
-        "floor": without_result(t["floor"]),
+        **{k: without_result(v) for k, v in t.items()},
         "ratio_median": ratio,
-        "tokens_equal": bool(np.array_equal(tokens["eqrope"], tokens["floor"])),
+        "ratio_stacked_model": t["eqrope_stacked"]["median_s"] / t["floor"]["median_s"],
+        "ratio_stacked_floor": t["stacked_floor"]["median_s"] / t["floor"]["median_s"],
+        "tokens_equal": all(np.array_equal(tokens["eqrope"], v) for v in tokens.values()),
         "floor_cache_len": cache_len,
         "max_new": new,
         "method": (
-            "the seed protocol (prompt 0..7, greedy) on bench/_floor.py's floor_generate "
-            "(one jax.jit: prefill, then a lax.scan of max_new - 1 steps; full-cache masked "
-            "attention over a static cache of floor_cache_len rows, eqrope's default cache "
-            "length for this job) and on eqrope.generate, with the same arrays; one "
-            "warm-up call each (first_s, compile included), then rounds of one timed call "
-            "each; ratio_median = eqrope median / floor median"
+            "the seed protocol (prompt 0..7, greedy) with the same arrays on: eqrope.generate "
+            "of the model held unstacked (eqrope) and as built, stacked (eqrope_stacked); "
+            "bench/_floor.py's floor_generate_unrolled (floor: one jax.jit, per-block weights "
+            "split once before the call, per-block caches, a Python for over the blocks, "
+            "prefill then a lax.scan of max_new - 1 steps, full-cache masked attention over "
+            "floor_cache_len rows, eqrope's default cache length for this job) and "
+            "floor_generate (stacked_floor: the same with stacked blocks in a lax.scan); "
+            "one warm-up call each (first_s, compile included), then rounds of one timed "
+            "call each, interleaved; ratio_median = eqrope median / floor median"
         ),
     }

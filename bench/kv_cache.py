@@ -16,7 +16,9 @@ ignored by git, so a run leaves the checkout clean; `--save` writes to the commi
    XLA compile, run), and the XLA compiles of new prompt lengths and `max_new` within
    one cache length, with their time beside a repeat call;
 3. the floor (`floor`): a minimal JAX decoder of the same architecture and arrays
-   (`_floor.py`), timed beside `eqrope.generate` on the seed protocol; equal tokens;
+   (`_floor.py`) with per-block weights and caches and a Python `for` over the blocks,
+   timed beside `eqrope.generate` on the seed protocol, with the same decoder over
+   stacked blocks in a `lax.scan` as a second line; equal tokens;
 4. long `max_len` (`long_max_len`): 10 tokens on the seed's sizes built for 131072
    positions against 256, and the peak RSS growth of such a call on a model whose full
    cache is 1 GiB, in a fresh process;

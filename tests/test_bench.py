@@ -189,10 +189,11 @@ def test_targets_and_outputs(run):
 def test_floor(run):
     _, data, _ = run
     f = data["floor"]
-    for key in ("eqrope", "floor"):
+    for key in ("eqrope", "eqrope_stacked", "floor", "stacked_floor"):
         check_timing(f[key], repeats=data["sizes"]["floor_repeats"])
     assert f["tokens_equal"] is True
     assert close(f["ratio_median"], f["eqrope"]["median_s"] / f["floor"]["median_s"])
+    assert close(f["ratio_stacked_floor"], f["stacked_floor"]["median_s"] / f["floor"]["median_s"])
     assert f["max_new"] == data["seed"]["max_new"]
     # The smallest power of two (at least 16) holding the prompt of 8 and the new tokens.
     length = max(16, 8 + f["max_new"])
@@ -289,7 +290,12 @@ def test_floor_matches_eqrope_with_gqa_and_a_head_bias(monkeypatch):
     prompt = jnp.arange(5, dtype=jnp.int32)
     weights, sizes = floor.floor_weights(model)
     ours = floor.floor_generate(weights, prompt, s=sizes, max_new=40, cache_len=64)
-    assert np.array_equal(np.asarray(ours), np.asarray(eqrope.generate(model, prompt, 40)))
+    unrolled = floor.floor_generate_unrolled(
+        floor.unrolled_weights(weights), prompt, s=sizes, max_new=40, cache_len=64
+    )
+    reference = np.asarray(eqrope.generate(model, prompt, 40))
+    assert np.array_equal(np.asarray(ours), reference)
+    assert np.array_equal(np.asarray(unrolled), reference)
 
 
 def test_time_calls_interleaves(monkeypatch):

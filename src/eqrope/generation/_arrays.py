@@ -1,7 +1,8 @@
 """A model as the arguments of a compiled program: its arrays, beside a hashable structure.
 
 `jax.jit` with the structure static is `eqx.filter_jit` without its per-call tree walks,
-which dominate the fixed cost of generating with a small model.
+which dominate the fixed cost of generating with a small model. Inside the program the
+model is rebuilt in its decoding layout (`for_decoding`).
 """
 
 import equinox as eqx
@@ -23,3 +24,15 @@ def rebuild(arrays, structure):
     if isinstance(structure, jax.tree_util.PyTreeDef):
         return jax.tree.unflatten(structure, arrays)
     return eqx.combine(arrays, structure)
+
+
+def for_decoding(model):
+    """`model` with one buffer per block (`model.unstacked()`, for a model that has the
+    two layouts, such as [`eqrope.RotaryDecoder`][]), called inside a compiled program.
+
+    A stacked model's blocks are then sliced once per call, before the loop, instead of
+    XLA copying each block's slice before every matrix product of every step; a model
+    held unstacked (`from_hf(..., layout="unstacked")`) costs nothing here.
+    """
+    unstacked = getattr(type(model), "unstacked", None)
+    return model if unstacked is None else model.unstacked()

@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from ..model import KVCache
 from ..sharding._rules import constrain, shard_batch
-from ._arrays import rebuild, split_model
+from ._arrays import for_decoding, rebuild, split_model
 from ._prefill import prepare
 from ._request import Request
 from ._result import NON_FINITE, Outputs, to_host
@@ -85,7 +85,7 @@ def generate_cached(model, *args, **static):
     ),
 )
 def generate_program(arrays, *args, structure, **static):
-    return decode_program(rebuild(arrays, structure), *args, **static)
+    return decode_program(for_decoding(rebuild(arrays, structure)), *args, **static)
 
 
 def decode_program(

@@ -21,9 +21,16 @@ _OPTIONS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not
 class RotaryDecoder(eqx.Module):
     """A decoder-only transformer with rotary positions and a static key/value cache.
 
-    `model(ids)` runs one sequence; batch with `jax.vmap(model)`. The `n_blocks` blocks
-    are stored stacked (every array has a leading `blocks` axis) and run with
-    `jax.lax.scan`, so compile time does not grow with depth.
+    `model(ids)` runs one sequence; batch with `jax.vmap(model)`. The blocks have two
+    layouts, which give the same logits:
+
+    - **stacked** (the default, for training): one [`eqrope.DecoderBlock`][] whose arrays
+      have a leading `blocks` axis, run with `jax.lax.scan`, so compile time does not grow
+      with depth;
+    - **unstacked** (for decoding; [`unstacked`][eqrope.RotaryDecoder.unstacked]): a
+      tuple of blocks, each with its own arrays, run by a Python `for` inside the
+      compiled program. XLA on the CPU copies each block's slice of a stacked array
+      before a matrix product; separate buffers are read in place.
 
     The cache protocol, used by [`eqrope.generate`][]:
 
@@ -38,7 +45,7 @@ class RotaryDecoder(eqx.Module):
 
     embed: Float[Array, "vocab d_model"]
     pos_embed: Float[Array, "max_len d_model"] | None
-    blocks: DecoderBlock
+    blocks: DecoderBlock | tuple[DecoderBlock, ...]
     final_norm: eqx.nn.RMSNorm | eqx.nn.LayerNorm
     head: Float[Array, "d_model vocab"] | None
     head_bias: Float[Array, " vocab"] | None
@@ -91,6 +98,31 @@ class RotaryDecoder(eqx.Module):
         sizes = (getattr(config, name) for name in SIZES)
         return cls(*sizes, key=key, **config.options())
 
+    # -- the two layouts -----------------------------------------------------------------
+
+    @property
+    def layout(self) -> str:
+        """`"stacked"` or `"unstacked"` (see the class docstring)."""
+        return "unstacked" if isinstance(self.blocks, tuple) else "stacked"
+
+    def unstacked(self) -> "RotaryDecoder":
+        """The same model with one [`eqrope.DecoderBlock`][] per block, each holding its
+        own arrays (copied out of the stack once, here): the layout for generation.
+        Returns `self` when it is already unstacked."""
+        if self.layout == "unstacked":
+            return self
+        take = lambda i: jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, self.blocks)
+        blocks = tuple(take(i) for i in range(self.config.n_blocks))
+        return eqx.tree_at(lambda m: m.blocks, self, blocks)
+
+    def stacked(self) -> "RotaryDecoder":
+        """The same model with its blocks stacked on a leading axis: the layout for
+        training (a `jax.lax.scan` over blocks). Returns `self` when already stacked."""
+        if self.layout == "stacked":
+            return self
+        stack = lambda *xs: jnp.stack(xs) if eqx.is_array(xs[0]) else xs[0]
+        return eqx.tree_at(lambda m: m.blocks, self, jax.tree.map(stack, *self.blocks))
+
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
@@ -131,6 +163,23 @@ class RotaryDecoder(eqx.Module):
         x = self.embed[ids]
         if self.pos_embed is not None:
             x = x + self.pos_embed[positions]
+        if isinstance(self.blocks, tuple):
+            x, keys, values = self._unrolled(x, positions, cache, kv_bound, kv_low)
+        else:
+            x, keys, values = self._scanned(x, positions, cache, kv_bound, kv_low)
+        x = norm_rows(self.final_norm, x)
+        if self.head is None:
+            # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
+            # copy the transposed (vocab, d_model) table, on every step or held in memory.
+            logits = jax.lax.dot_general(x, self.embed, (((1,), (1,)), ((), ())))
+        else:
+            logits = x @ self.head
+        if self.head_bias is not None:
+            logits = logits + self.head_bias
+        return logits, keys, values
+
+    def _scanned(self, x, positions, cache, kv_bound, kv_low):
+        """The stacked blocks, one `jax.lax.scan` step each."""
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
 
         def run_block(block_arrays, x, past, window):
@@ -146,19 +195,25 @@ class RotaryDecoder(eqx.Module):
             x, k, v = run_block(block_arrays, x, past, window)
             return x, (k, v)
 
-        n_blocks = self.config.n_blocks
-        indices = jnp.arange(n_blocks, dtype=jnp.int32)
+        indices = jnp.arange(self.config.n_blocks, dtype=jnp.int32)
         x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices, self._windows()))
-        x = norm_rows(self.final_norm, x)
-        if self.head is None:
-            # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
-            # copy the transposed (vocab, d_model) table, on every step or held in memory.
-            logits = jax.lax.dot_general(x, self.embed, (((1,), (1,)), ((), ())))
-        else:
-            logits = x @ self.head
-        if self.head_bias is not None:
-            logits = logits + self.head_bias
-        return logits, keys, values
+        return x, keys, values
+
+    def _unrolled(self, x, positions, cache, kv_bound, kv_low):
+        """The unstacked blocks, by a Python `for`: each reads its own arrays in place."""
+        windows = self._windows()
+        run = lambda block, x, past, window: block(x, positions, past, window)
+        if self.config.remat:
+            run = eqx.filter_checkpoint(run)
+        keys, values = [], []
+        for index, block in enumerate(self.blocks):
+            # A constant index: the block's rows are sliced statically, in place.
+            index = jnp.asarray(index, jnp.int32)
+            past = None if cache is None else cache.block(index, kv_bound, kv_low)
+            x, k, v = run(block, x, past, None if windows is None else windows[index])
+            keys.append(k)
+            values.append(v)
+        return x, jnp.stack(keys), jnp.stack(values)
 
     def _windows(self) -> Int[Array, " blocks"] | None:
         """Each block's sliding window (a block without one sees every position: the

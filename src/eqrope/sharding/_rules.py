@@ -202,13 +202,17 @@ def _map_decoder(model: RotaryDecoder, fn, prefix: str):
         if not _is_array(x):
             return None
         where = prefix + jax.tree_util.keystr(path)
+        unstacked = len(path) > 1 and isinstance(path[1], jax.tree_util.SequenceKey)
+        if unstacked:  # `blocks[i]....` of an unstacked model: the row without `blocks`
+            path = path[:1] + path[2:]
         name = ".".join(str(getattr(entry, "name", entry)) for entry in path)
         if name not in BY_PATH:
             raise TypeError(
                 f"eqrope.shard has no logical axes for {where}; add a row for {name!r} to "
                 "eqrope.weights._table.WEIGHTS."
             )
-        return fn(x, BY_PATH[name].axes, counts, where)
+        axes = BY_PATH[name].axes
+        return fn(x, axes[1:] if unstacked else axes, counts, where)
 
     return jax.tree_util.tree_map_with_path(visit, model)
 

@@ -28,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, Key
 
 from ...model import KVCache
-from .._arrays import rebuild, split_model
+from .._arrays import for_decoding, rebuild, split_model
 from .._prefill import prepare
 from .._request import Request
 from .._result import NON_FINITE, Outputs, to_host
@@ -67,7 +67,7 @@ def speculate_cached(model, draft, *args, **static):
     static_argnames=("structure", "batched", "chunk", "samples", "stream", "check_finite", "draft_len", "rule"),
 )
 def speculative_program(arrays, *args, structure, **static):
-    model, draft = rebuild(arrays, structure)
+    model, draft = map(for_decoding, rebuild(arrays, structure))
     return speculative_decode(model, draft, *args, **static)
 
 
