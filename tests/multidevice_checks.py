@@ -227,9 +227,10 @@ def check_generation(out: dict) -> None:
         "new_tokens": int(sum(int(jnp.sum(r.lengths - lengths)) for r in refs)),
     }
     # The compiled program holds the cache as per-device blocks (batch / data, kv_heads
-    # / model) and never at its global shape.
-    abstract = jax.eval_shape(lambda: model.init_cache(6))
-    cache_sharding = eqrope.shardings(abstract, mesh).keys
+    # / model) and never at its global shape. It decodes on per-block buffers (the
+    # unstacked layout), so each block's keys are one such buffer.
+    abstract = jax.eval_shape(lambda: model.unstacked().init_cache(6))
+    cache_sharding = eqrope.shardings(abstract, mesh).keys[0]
     leaves, structure = jax.tree.flatten(placed)
     args = (
         leaves,
@@ -247,7 +248,7 @@ def check_generation(out: dict) -> None:
         *args, structure=structure, batched=True, chunk=32, mesh=mesh
     )
     text = lowered.compile().as_text()
-    shape = abstract.keys.shape
+    shape = abstract.keys[0].shape
     local = cache_sharding.shard_shape(shape)
     out["generation"]["cache_spec"] = spec_str(cache_sharding.spec)
     out["generation"]["cache_sizes"] = sharded_sizes(shape, cache_sharding.spec)

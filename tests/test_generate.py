@@ -653,8 +653,10 @@ def test_decode_loop_runs_one_token_per_step_not_the_prompt(model):
     assert chunk in dims(prefill_body)  # the prefill works on chunks of the prompt...
     assert chunk not in dims(decode_body)  # ...the decode body never does
 
-    one_step = jax.make_jaxpr(jax.vmap(lambda t, c, p: model.step(t, c, p, check=False)))(
-        i32([1]), model.init_cache(batch=batch), i32([5])
+    # generate decodes on the unstacked layout (per-block weights and cache buffers).
+    decoding = model.unstacked()
+    one_step = jax.make_jaxpr(jax.vmap(lambda t, c, p: decoding.step(t, c, p, check=False)))(
+        i32([1]), decoding.init_cache(batch=batch), i32([5])
     )
     assert matmul_flops(decode_body) == matmul_flops(one_step.jaxpr)
 

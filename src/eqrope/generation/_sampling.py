@@ -5,7 +5,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, Key, UInt
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, UInt
 
 from ._processors import History, penalize, suppress, truncate
 
@@ -46,18 +46,44 @@ class Sampling(NamedTuple):
     stop: Int[ArrayLike, "n_stop stop_len"] = np.full((4, 4), -1, np.int32)
 
 
+def penalties_on(sampling: Sampling) -> Bool[Array, ""]:
+    """Whether any penalty of the call changes a logit (a setting, the same for every row)."""
+    return (
+        (jnp.asarray(sampling.repetition_penalty) != 1)
+        | (jnp.asarray(sampling.presence_penalty) != 0)
+        | (jnp.asarray(sampling.frequency_penalty) != 0)
+    )
+
+
+def masks_on(sampling: Sampling) -> Bool[Array, ""]:
+    """Whether the call bans ids or holds EOS back (`bad`, `min_new`)."""
+    return jnp.any(jnp.asarray(sampling.bad) >= 0) | (jnp.asarray(sampling.min_new) > 0)
+
+
 def process_logits(
     logits: Float[Array, " vocab"], history: History, n_new: Int[ArrayLike, ""], sampling: Sampling
 ) -> Float[Array, " vocab"]:
-    """The processors before the temperature: penalties, then `bad` and `min_new` masks."""
-    logits = penalize(
-        logits,
-        history,
-        sampling.repetition_penalty,
-        sampling.presence_penalty,
-        sampling.frequency_penalty,
-    )
-    return suppress(logits, n_new, sampling.bad, sampling.eos, sampling.min_new)
+    """The processors before the temperature: penalties, then `bad` and `min_new` masks.
+
+    Each runs in a `lax.cond` on the call's settings, whose predicate is the same for
+    every row (so it stays a branch under `jax.vmap`): a call without penalties or masks
+    skips their work at every step, and no setting recompiles.
+    """
+
+    def penalized(logits):
+        return penalize(
+            logits,
+            history,
+            sampling.repetition_penalty,
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+        )
+
+    def masked(logits):
+        return suppress(logits, n_new, sampling.bad, sampling.eos, sampling.min_new)
+
+    logits = jax.lax.cond(penalties_on(sampling), penalized, lambda x: x, logits)
+    return jax.lax.cond(masks_on(sampling), masked, lambda x: x, logits)
 
 
 def choose_token(

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._processors import History, record
-from ._sampling import Sampling
-from ._stopping import ends_with_stop
+from ._sampling import Sampling, penalties_on
+from ._stopping import NONE, ends_with_stop
 from ._stream import emit
 
 
@@ -89,14 +89,25 @@ def commit(
         emit(listener, tok, pos, active)
     n_new = text.n_new + active.astype(jnp.int32)
     is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
-    is_stop = jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop)
+    # Settings-level branches (one predicate for every row): a call without stop
+    # sequences or penalties skips matching and counting at every step.
+    is_stop = jax.lax.cond(
+        jnp.any(jnp.asarray(sampling.stop) != NONE),
+        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop),
+        lambda: jnp.zeros((batch,), jnp.bool_),
+    )
     may_end = text.n_new >= sampling.min_new
     ends = (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
     return TextState(
         pos=jnp.where(active, pos + 1, pos),
         n_new=n_new,
         done=text.done | (active & ends),
-        history=jax.vmap(record)(text.history, tok, active),
+        history=jax.lax.cond(
+            penalties_on(sampling),
+            lambda h: jax.vmap(record)(h, tok, active),
+            lambda h: h,
+            text.history,
+        ),
         tokens=tokens,
         logprobs=write(text.logprobs, lp),
         model_logprobs=write(text.model_logprobs, own),

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._cache import BlockCache
+from ._cache import BlockCache, KVCache
 from ._config import RopeScaling
 from ._init import uniform_weight
 from ._kernel import empty_state, finish, merge, merge_cache
@@ -152,3 +152,33 @@ class CausalSelfAttention(eqx.Module):
         if self.bo is not None:
             out = out + self.bo
         return out, k, v
+
+    def decode(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        cache: KVCache,
+        index: int,
+        window: Int[Array, ""] | None = None,
+        bound: Int[Array, ""] | None = None,
+        low: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+        """`__call__` against a per-block float cache, written first: the rows of `x` go
+        to block `index`'s own buffers, then each query attends to that block's rows up
+        to its position in one pass, as a minimal decoder does (no separate pass over
+        the new rows). `bound` and `low` are as for `KVCache.block`.
+
+        **Returns:** `(out, cache)`.
+        """
+        q, k, v = self.project(x, positions)
+        seq = x.shape[0]
+        group = self.n_heads // self.n_kv_heads
+        qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
+        k, v = jnp.transpose(k, (1, 0, 2)), jnp.transpose(v, (1, 0, 2))
+        cache = cache.write_block(index, k, v, positions[0])
+        state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+        state = merge_cache(state, qg, cache.block(index, bound, low), positions, window, inclusive=True)
+        out = finish(state).astype(v.dtype).reshape(seq, self.n_heads * self.head_dim) @ self.wo
+        if self.bo is not None:
+            out = out + self.bo
+        return out, cache

@@ -5,7 +5,7 @@ import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attention import CausalSelfAttention
-from ._cache import BlockCache
+from ._cache import BlockCache, KVCache
 from ._config import DecoderConfig
 from ._mlp import GeluMLP, SwiGLU
 from ._norm import make_norm, norm_rows
@@ -65,3 +65,20 @@ class DecoderBlock(eqx.Module):
         x = x + h
         x = x + self.mlp(norm_rows(self.mlp_norm, x))
         return x, k, v
+
+    def decode(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        cache: KVCache,
+        index: int,
+        window: Int[Array, ""] | None = None,
+        bound: Int[Array, ""] | None = None,
+        low: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "seq d_model"], KVCache]:
+        """`__call__` against a per-block float cache, which takes the block's new rows
+        first ([`eqrope.CausalSelfAttention.decode`][]). **Returns:** `(x, cache)`."""
+        h, cache = self.attn.decode(norm_rows(self.attn_norm, x), positions, cache, index, window, bound, low)
+        x = x + h
+        x = x + self.mlp(norm_rows(self.mlp_norm, x))
+        return x, cache

@@ -4,6 +4,7 @@ Everything a reader needs to know about the cache is here. Attention sees one bl
 rows through a `BlockCache` view (from `KVCache.block`) and nothing else.
 """
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -19,6 +20,10 @@ from ._config import DecoderConfig
 Rows = Float[Array, "*batch blocks kv_heads max_len head_dim"]
 QuantRows = Int8[Array, "*batch blocks kv_heads max_len head_dim"]
 Scales = Float[Array, "*batch blocks kv_heads max_len"]
+# One block's own buffers (a per-block cache).
+BlockRows = Float[Array, "*batch kv_heads max_len head_dim"]
+QuantBlockRows = Int8[Array, "*batch kv_heads max_len head_dim"]
+BlockScales = Float[Array, "*batch kv_heads max_len"]
 # New rows of every block, as attention returns them (heads-major, like the cache).
 NewRows = Float[Array, "blocks kv_heads seq head_dim"]
 
@@ -51,16 +56,22 @@ class KVCache(eqx.Module):
     they held tokens. Writing below it (rewinding, or re-prefilling) is allowed. A cache
     built by hand without `filled` is not checked.
 
+    **Per-block buffers.** `model.init_cache()` of an unstacked model
+    ([`eqrope.RotaryDecoder.unstacked`][]) holds each block's rows in its own buffers:
+    `keys`, `values` (and the scales) are then tuples of `n_blocks` arrays
+    `(kv_heads, max_len, head_dim)`, so a step writes and reads each block's rows in
+    place. The stacked layout has one array with a leading `blocks` axis.
+
     It is immutable: `model.prefill` and `model.step` return a new cache. Under `jit`
     (and in the loop of `eqrope.generate`) XLA updates the buffer in place. A batch of
     caches has a leading `batch` axis on every array (`model.init_cache(batch=...)`), and
     is used with `jax.vmap`.
     """
 
-    keys: Rows | QuantRows
-    values: Rows | QuantRows
-    key_scales: Scales | None = None
-    value_scales: Scales | None = None
+    keys: Rows | QuantRows | tuple[BlockRows | QuantBlockRows, ...]
+    values: Rows | QuantRows | tuple[BlockRows | QuantBlockRows, ...]
+    key_scales: Scales | tuple[BlockScales, ...] | None = None
+    value_scales: Scales | tuple[BlockScales, ...] | None = None
     filled: Int[Array, "*batch"] | None = None
     chunk: int = eqx.field(static=True, default=DEFAULT_CHUNK)
 
@@ -73,12 +84,14 @@ class KVCache(eqx.Module):
         max_len: int | None = None,
         dtype=None,
         chunk: int = DEFAULT_CHUNK,
+        per_block: bool = False,
     ) -> "KVCache":
         """Zeros for `config`, with a leading `batch` axis if given.
 
         `max_len` rows (at most `config.max_len`; `None` means `config.max_len`).
         `dtype=None` stores rows in the model's dtype (exact); `dtype="int8"` stores int8
-        rows with float32 per-row scales.
+        rows with float32 per-row scales. `per_block=True` gives each block its own
+        buffers (tuples of arrays without the `blocks` axis).
         """
         batch = check_int(batch, "batch", minimum=1, none=True)
         chunk = check_int(chunk, "chunk", minimum=1)
@@ -86,20 +99,33 @@ class KVCache(eqx.Module):
         shape = _shape(config, rows) if batch is None else (batch, *_shape(config, rows))
         # Separate buffers for each field, so that the cache can be donated.
         filled = jnp.zeros(shape[:-4], jnp.int32)
+        if per_block:  # one buffer per block: drop the `blocks` axis
+            shape = shape[:-4] + shape[-3:]
+
+        def make(fill, shape, dtype):
+            if per_block:
+                return tuple(jnp.full(shape, fill, dtype) for _ in range(config.n_blocks))
+            return jnp.full(shape, fill, dtype)
+
         if dtype is None or jnp.dtype(dtype) == config.jnp_dtype:
-            zeros = lambda: jnp.zeros(shape, config.jnp_dtype)
+            zeros = lambda: make(0, shape, config.jnp_dtype)
             return cls(keys=zeros(), values=zeros(), filled=filled, chunk=chunk)
         if jnp.dtype(dtype) == jnp.int8:
-            q = lambda: jnp.zeros(shape, jnp.int8)
-            s = lambda: jnp.ones(shape[:-1], jnp.float32)
+            q = lambda: make(0, shape, jnp.int8)
+            s = lambda: make(1, shape[:-1], jnp.float32)
             return cls(q(), q(), key_scales=s(), value_scales=s(), filled=filled, chunk=chunk)
         raise ValueError(
             f"cache dtype must be None (the model's {config.dtype}) or 'int8', got {dtype!r}."
         )
 
     @property
+    def per_block(self) -> bool:
+        """Whether each block has its own buffers (tuples of arrays)."""
+        return isinstance(self.keys, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.keys.shape[-2]
+        return _first(self.keys).shape[-2]
 
     @property
     def quantized(self) -> bool:
@@ -108,41 +134,85 @@ class KVCache(eqx.Module):
     @property
     def nbytes(self) -> int:
         """Bytes held by the rows and their scales (not the `filled` counter)."""
-        arrays = (self.keys, self.values, self.key_scales, self.value_scales)
-        return int(sum(a.nbytes for a in arrays if a is not None))
+        arrays = jax.tree.leaves((self.keys, self.values, self.key_scales, self.value_scales))
+        return int(sum(a.nbytes for a in arrays))
 
     def check(self, config: DecoderConfig) -> None:
         """Raise unless this is an unbatched cache for a model with `config`, of at most
         `config.max_len` rows."""
-        rows = self.keys.shape[-2] if self.keys.ndim == 4 else config.max_len
+        first = _first(self.keys)
+        rows = first.shape[-2] if first.ndim == (3 if self.per_block else 4) else config.max_len
         expected = _shape(config, rows)
-        if (
-            self.keys.shape != expected
-            or self.values.shape != expected
-            or not 1 <= rows <= config.max_len
-        ):
+        if self.per_block:
+            shapes = {a.shape for a in (*self.keys, *self.values)}
+            wrong = len(self.keys) != config.n_blocks or len(self.values) != config.n_blocks
+            wrong = wrong or shapes != {expected[1:]}
+        else:
+            wrong = self.keys.shape != expected or self.values.shape != expected
+        if wrong or not 1 <= rows <= config.max_len:
             raise ValueError(
                 f"cache has shape {self.keys.shape} but this model needs "
                 f"{_shape(config, config.max_len)} (blocks, kv_heads, max_len, head_dim), or "
                 f"fewer rows than {config.max_len}; build it with model.init_cache()."
             )
+        dtypes = {a.dtype for a in jax.tree.leaves((self.keys, self.values))}
         if self.quantized:
+            scales = jax.tree.leaves((self.key_scales, self.value_scales))
             ok = (
-                self.keys.dtype == self.values.dtype == jnp.int8
+                dtypes == {jnp.dtype(jnp.int8)}
                 and self.value_scales is not None
-                and self.key_scales.shape == self.value_scales.shape == expected[:-1]
+                and {s.shape for s in scales} == {expected[1:-1] if self.per_block else expected[:-1]}
             )
         else:
-            ok = self.keys.dtype == config.jnp_dtype == self.values.dtype
+            ok = dtypes == {config.jnp_dtype}
         if not ok:
             raise ValueError(
                 f"cache has dtype {self.keys.dtype} but the model uses {config.dtype} "
                 "(or an int8 cache with scales); build it with model.init_cache()."
             )
 
+    def write_block(
+        self,
+        index: int,
+        keys: Float[Array, "kv_heads seq head_dim"],
+        values: Float[Array, "kv_heads seq head_dim"],
+        pos: Int[Array, ""],
+    ) -> "KVCache":
+        """A per-block cache with rows `pos .. pos + seq - 1` of block `index` (a Python
+        int) replaced, in that block's own buffers. `filled` is raised by `write` once
+        every block is written (`advance`)."""
+        zero = jnp.zeros((), jnp.int32)
+        pos = jnp.asarray(pos).astype(jnp.int32)
+
+        def put(buffers, rows):  # rows go to axis 1, `max_len`, of the block's buffer
+            buffer = buffers[index]
+            start = (zero, pos) + (zero,) * (buffer.ndim - 2)
+            new = jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
+            return buffers[:index] + (new,) + buffers[index + 1 :]
+
+        if not self.quantized:
+            return dataclasses.replace(self, keys=put(self.keys, keys), values=put(self.values, values))
+        (qk, sk), (qv, sv) = quantize_rows(keys), quantize_rows(values)
+        return dataclasses.replace(
+            self, keys=put(self.keys, qk), values=put(self.values, qv),
+            key_scales=put(self.key_scales, sk), value_scales=put(self.value_scales, sv),
+        )  # fmt: skip
+
+    def advance(self, pos: Int[Array, ""], seq: int) -> "KVCache":
+        """`filled` raised to at least `pos + seq` (after every block wrote its rows)."""
+        if self.filled is None:
+            return self
+        pos = jnp.asarray(pos).astype(jnp.int32)
+        return dataclasses.replace(self, filled=jnp.maximum(self.filled, pos + seq).astype(self.filled.dtype))
+
     def write(self, keys: NewRows, values: NewRows, pos: Int[Array, ""]) -> "KVCache":
         """A new cache with rows `pos .. pos + seq - 1` of every block replaced (quantised
         first for an int8 cache). The caller has checked that the rows fit."""
+        if self.per_block:
+            cache = self
+            for i in range(len(self.keys)):
+                cache = cache.write_block(i, keys[i], values[i], pos)
+            return cache.advance(pos, keys.shape[-2])
         zero = jnp.zeros((), jnp.int32)
         pos = jnp.asarray(pos).astype(jnp.int32)
 
@@ -180,7 +250,7 @@ class KVCache(eqx.Module):
 
     def block(
         self,
-        index: Int[Array, ""],
+        index: int | Int[Array, ""],
         bound: Int[Array, ""] | None = None,
         low: Int[Array, ""] | None = None,
     ) -> "BlockCache":
@@ -193,6 +263,12 @@ class KVCache(eqx.Module):
         furthest and nearest positions), or the skips become selects that read every
         chunk. Neither changes the result.
         """
+        if self.per_block:  # the block's own buffers; `index` is a Python int
+            pick = lambda x: None if x is None else x[int(index)]
+            return BlockCache(
+                pick(self.keys), pick(self.values), pick(self.key_scales), pick(self.value_scales),
+                None, bound, low, self.chunk,
+            )  # fmt: skip
         return BlockCache(
             self.keys, self.values, self.key_scales, self.value_scales, index, bound, low, self.chunk
         )
@@ -202,38 +278,48 @@ class BlockCache(eqx.Module):
     """One block's cached rows, read in place, in chunks of `chunk` rows from `low`'s
     window up to `bound`.
 
-    It holds the whole stacked cache and the block index, and slices only the rows asked
-    for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
+    It holds the whole stacked cache and the block index (or, for a per-block cache, the
+    block's own buffers and no index), and slices only the rows asked for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
     copy the block's whole `max_len` rows at every step.
     """
 
-    keys: Float[Array, "blocks kv_heads max_len head_dim"] | Int8[Array, "blocks kv_heads max_len head_dim"]
-    values: Float[Array, "blocks kv_heads max_len head_dim"] | Int8[Array, "blocks kv_heads max_len head_dim"]
-    key_scales: Float[Array, "blocks kv_heads max_len"] | None
-    value_scales: Float[Array, "blocks kv_heads max_len"] | None
-    index: Int[Array, ""]
+    keys: Float[Array, "*blocks kv_heads max_len head_dim"] | Int8[Array, "*blocks kv_heads max_len head_dim"]
+    values: Float[Array, "*blocks kv_heads max_len head_dim"] | Int8[Array, "*blocks kv_heads max_len head_dim"]
+    key_scales: Float[Array, "*blocks kv_heads max_len"] | None
+    value_scales: Float[Array, "*blocks kv_heads max_len"] | None
+    index: Int[Array, ""] | None
     bound: Int[Array, ""] | None
     low: Int[Array, ""] | None
     chunk: int = eqx.field(static=True)
 
     @property
+    def per_block(self) -> bool:
+        """Whether each block has its own buffers (tuples of arrays)."""
+        return isinstance(self.keys, tuple)
+
+    @property
     def max_len(self) -> int:
-        return self.keys.shape[-2]
+        return _first(self.keys).shape[-2]
 
     def rows(
         self, start: Int[Array, ""] | int, size: int
     ) -> tuple[Float[Array, "kv_heads size head_dim"], Float[Array, "kv_heads size head_dim"]]:
         """Keys and values of rows `start .. start + size - 1` (`start + size <= max_len`),
         dequantised to float32 for an int8 cache."""
-        _, kv_heads, _, head_dim = self.keys.shape
+        kv_heads, _, head_dim = self.keys.shape[-3:]
         zero = jnp.zeros((), jnp.int32)
-        block, start = jnp.asarray(self.index, jnp.int32), jnp.asarray(start, jnp.int32)
+        start = jnp.asarray(start, jnp.int32)
 
         def take(x, scales):
-            x = jax.lax.dynamic_slice(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
-            if scales is None:
+            if self.index is None:  # a per-block buffer, read in place
+                x = jax.lax.dynamic_slice(x, (zero, start, zero), (kv_heads, size, head_dim))
+                s = None if scales is None else jax.lax.dynamic_slice(scales, (zero, start), (kv_heads, size))
+            else:
+                block = jnp.asarray(self.index, jnp.int32)
+                x = jax.lax.dynamic_slice(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
+                s = None if scales is None else jax.lax.dynamic_slice(scales, (block, zero, start), (1, kv_heads, size))[0]
+            if s is None:
                 return x
-            s = jax.lax.dynamic_slice(scales, (block, zero, start), (1, kv_heads, size))[0]
             return x.astype(jnp.float32) * s[..., None]
 
         return take(self.keys, self.key_scales), take(self.values, self.value_scales)
@@ -248,6 +334,11 @@ def quantize_rows(
     scale = jnp.where(scale > 0, scale, 1.0)
     q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
     return q, scale
+
+
+def _first(x):
+    """A per-block field's first block, or the stacked array itself."""
+    return x[0] if isinstance(x, tuple) else x
 
 
 def _shape(config: DecoderConfig, rows: int) -> tuple[int, int, int, int]:
@@ -295,8 +386,10 @@ def cache_nbytes(
                 "cache_nbytes(cache) reads the batch and dtype from the cache; "
                 "leave batch and dtype at their defaults."
             )
-        *lead, max_len, head_dim = of.keys.shape  # lead: (*batch, blocks, kv_heads)
-        per_row = head_dim * of.keys.dtype.itemsize + (4 if of.quantized else 0)
+        first = _first(of.keys)
+        *lead, max_len, head_dim = first.shape  # lead: (*batch, blocks, kv_heads)
+        lead = (*lead, len(of.keys)) if of.per_block else lead
+        per_row = head_dim * first.dtype.itemsize + (4 if of.quantized else 0)
         rows = max_len if positions is None else positions
         return 2 * math.prod(lead) * rows * per_row
     config = getattr(of, "config", of)

@@ -160,13 +160,20 @@ class RotaryDecoder(eqx.Module):
         `positions[0]`), are not read (see [`eqrope.KVCache.block`][]). Public callers
         want `__call__`, `prefill` or `step`, which check their inputs.
         """
-        x = self.embed[ids]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[positions]
+        x = self._embed(ids, positions)
         if isinstance(self.blocks, tuple):
             x, keys, values = self._unrolled(x, positions, cache, kv_bound, kv_low)
         else:
             x, keys, values = self._scanned(x, positions, cache, kv_bound, kv_low)
+        return self._logits(x), keys, values
+
+    def _embed(self, ids, positions):
+        x = self.embed[ids]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[positions]
+        return x
+
+    def _logits(self, x):
         x = norm_rows(self.final_norm, x)
         if self.head is None:
             # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
@@ -176,7 +183,17 @@ class RotaryDecoder(eqx.Module):
             logits = x @ self.head
         if self.head_bias is not None:
             logits = logits + self.head_bias
-        return logits, keys, values
+        return logits
+
+    def _in_place(self, ids, positions, cache: KVCache, kv_bound, kv_low):
+        """The unstacked blocks against a per-block float cache: each block writes its
+        new rows into its own buffers, then attends to them in one pass
+        ([`eqrope.DecoderBlock.decode`][]). **Returns:** `(logits, cache)`."""
+        x, windows = self._embed(ids, positions), self._windows()
+        for index, block in enumerate(self.blocks):
+            window = None if windows is None else windows[index]
+            x, cache = block.decode(x, positions, cache, index, window, kv_bound, kv_low)
+        return self._logits(x), cache
 
     def _scanned(self, x, positions, cache, kv_bound, kv_low):
         """The stacked blocks, one `jax.lax.scan` step each."""
@@ -207,9 +224,10 @@ class RotaryDecoder(eqx.Module):
             run = eqx.filter_checkpoint(run)
         keys, values = [], []
         for index, block in enumerate(self.blocks):
-            # A constant index: the block's rows are sliced statically, in place.
-            index = jnp.asarray(index, jnp.int32)
-            past = None if cache is None else cache.block(index, kv_bound, kv_low)
+            past = None
+            if cache is not None:  # a per-block cache is indexed by the Python int
+                where = index if cache.per_block else jnp.asarray(index, jnp.int32)
+                past = cache.block(where, kv_bound, kv_low)
             x, k, v = run(block, x, past, None if windows is None else windows[index])
             keys.append(k)
             values.append(v)
@@ -249,8 +267,14 @@ class RotaryDecoder(eqx.Module):
         - `dtype`: `None` stores keys and values in the model's dtype (exact); `"int8"`
           stores them as int8 with a float32 scale per row (see [`eqrope.KVCache`][]).
         - `chunk`: how many rows attention reads at a time; it never changes a result.
+
+        An unstacked model's cache holds each block's rows in its own buffers (see
+        [`eqrope.KVCache`][]); an unstacked model also takes a stacked cache.
         """
-        return KVCache.empty(self.config, batch=batch, max_len=max_len, dtype=dtype, chunk=chunk)
+        return KVCache.empty(
+            self.config, batch=batch, max_len=max_len, dtype=dtype, chunk=chunk,
+            per_block=self.layout == "unstacked",
+        )  # fmt: skip
 
     def prefill(
         self,
@@ -289,6 +313,12 @@ class RotaryDecoder(eqx.Module):
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}.")
         cache.check(self.config)
+        if cache.per_block and self.layout == "stacked":
+            raise TypeError(
+                "cache has one buffer per block (from an unstacked model's init_cache), but "
+                "this model is stacked; use model.unstacked(), or a cache from this "
+                "model's init_cache()."
+            )
         if check:
             ids = self._check_ids(ids, "ids")
             pos = cache.check_position(check_span(pos, ids.shape[0], cache.max_len, "pos"), ids.shape[0])
@@ -296,6 +326,9 @@ class RotaryDecoder(eqx.Module):
             ids = on_device(as_int_array(ids, "ids", ndim=1))
             pos = jnp.asarray(pos).astype(jnp.int32)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
+        if cache.per_block and not cache.quantized:
+            logits, cache = self._in_place(ids, positions, cache, kv_bound, kv_low)
+            return logits, cache.advance(pos, ids.shape[0])
         logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low)
         return logits, cache.write(keys, values, pos)
 

@@ -75,9 +75,15 @@ def merge_cache(
     past: BlockCache,
     positions: Int[Array, " seq"],
     window: Int[Array, ""] | None = None,
+    *,
+    inclusive: bool = False,
 ) -> State:
     """Fold the cache rows below `positions[0]` into `state`, in chunks of `past.chunk`
     rows, visiting only chunks below `past.bound` (default `positions[0]`).
+
+    `inclusive=True` is for a cache that already holds the rows of `positions` (written
+    first): each query sees the rows up to its own position (causally), and chunks at or
+    past `past.bound + seq` are not visited.
 
     With a sliding `window`, the query at position `p` sees rows `r > p - window` only,
     and chunks wholly below `past.low - window + 1` (default `past.low = positions[0]`)
@@ -91,12 +97,17 @@ def merge_cache(
     n_valid = positions[0]
     bound = n_valid if past.bound is None else past.bound
     low = n_valid if past.low is None else past.low
+    if inclusive:
+        bound = bound + positions.shape[0]
 
     def mask(rows, first):
-        visible = (rows >= first) & (rows < n_valid)
+        if inclusive:
+            visible = (rows[None, :] >= first) & (rows[None, :] <= positions[:, None])
+        else:
+            visible = ((rows >= first) & (rows < n_valid))[None, :]
         if window is None:
-            return visible[None, :]
-        return visible[None, :] & (rows[None, :] > positions[:, None] - window)
+            return visible
+        return visible & (rows[None, :] > positions[:, None] - window)
 
     if max_len <= chunk:
         return merge(state, q, *past.rows(0, max_len), mask(jnp.arange(max_len, dtype=jnp.int32), 0))

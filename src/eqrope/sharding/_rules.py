@@ -222,13 +222,14 @@ def _map_cache(cache: KVCache, fn, prefix: str):
         if not _is_array(x):
             return None
         where = prefix + jax.tree_util.keystr(path)
-        name = getattr(path[-1], "name", None)
+        per_block = isinstance(path[-1], jax.tree_util.SequenceKey)  # one block's buffer
+        name = getattr(path[-2] if per_block else path[-1], "name", None)
         if name not in _CACHE_AXES:
             raise TypeError(
                 f"eqrope.shard has no logical axes for {where}; add its field name to "
                 "eqrope.sharding._rules._CACHE_AXES."
             )
-        axes = _CACHE_AXES[name]
+        axes = _CACHE_AXES[name][1:] if per_block else _CACHE_AXES[name]
         axes = (("batch",) if np.ndim(x) == len(axes) + 1 else ()) + axes
         counts = dict(zip(axes, np.shape(x)))
         return fn(x, axes, counts, where)
