@@ -1,4 +1,8 @@
-"""The JSON files of a model directory: an eqrope checkpoint's or a Hugging Face model's."""
+"""The JSON files of a model directory: an eqrope checkpoint's or a Hugging Face model's.
+
+Every field read from one goes through a check that names it by its key in the file
+(`checked`), so an error says which line of which file to fix.
+"""
 
 import json
 from pathlib import Path
@@ -31,3 +35,17 @@ def peek_json(file: Path) -> dict:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def checked(check, value, key: str, where: str, **kwargs):
+    """`check(value, key, **kwargs)` for the field `key` of a JSON file.
+
+    `check` is one of the argument checks (`check_int`, `check_float`, ...), which raise a
+    `TypeError` or `ValueError` naming `key`; either is raised again as a `ValueError`
+    that starts with `where` (the public function and the file: `"from_hf: .../config.json"`),
+    since the fix is to the file, not to an argument.
+    """
+    try:
+        return check(value, key, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None

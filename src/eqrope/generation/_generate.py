@@ -150,6 +150,18 @@ def generate(
     `prompt_lengths[i]` tokens), then its new tokens, then `pad_id` up to `total`. With
     `num_samples=n`: `(n, total)` or `(batch, n, total)`.
 
+    **Refused** before anything compiles, with a `TypeError` or `ValueError` that names
+    the argument: a prompt that is empty, of the wrong rank or dtype, longer than the
+    model's `max_len`, or with ids outside the vocabulary; `prompt_lengths` outside
+    `[1, seq]`; a `max_len` past the model's; a negative or NaN temperature and any
+    setting outside its range (`eqrope.GenerationConfig`); ids of `eos_id`, `bad_ids`,
+    `stop` or `pad_id` outside the vocabulary, an id both banned and an EOS, `bad_ids`
+    that leave no token (also counting the EOS ids while `min_new` masks them); a
+    sampling temperature without `key`; a `draft` that does not fit the model; `rules`
+    without `mesh`; `on_token` that is not a function, or with `jax.grad` or `mesh`.
+    An exception raised by `on_token`, `KeyboardInterrupt` included, is raised by
+    `generate` itself once the program returns.
+
     The cached path is differentiable: `jax.grad` of `generate(...).logprobs.sum()` with
     respect to the model's floating-point arrays gives the policy gradient of the sampled
     text (the tokens themselves are not differentiable).

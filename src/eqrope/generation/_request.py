@@ -132,6 +132,8 @@ def parse_request(
     for name, value in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
         if not is_concrete(value):
             raise TypeError(UNDER_JIT.format(name=name))
+    if stream is not None and not callable(stream):  # every path, the uncached one too
+        raise TypeError(f"on_token must be a function (row, position, token), got {stream!r}.")
     model_max_len = _max_len(model)
     vocab = getattr(model, "vocab_size", None)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
@@ -264,7 +266,12 @@ def _check_draft_model(model, draft, max_len: int) -> None:
 
 
 def _check_ids(settings: GenerationConfig, vocab: int | None):
-    """The EOS ids, banned ids and stop sequences, each id checked against `vocab`."""
+    """The EOS ids, banned ids and stop sequences, each id checked against `vocab`.
+
+    Refused (`ValueError`): an id outside `[0, vocab)`; an id both banned and an EOS id;
+    `bad_ids` banning every id; and `bad_ids` banning every id but the EOS ids while
+    `min_new > 0` masks those, which would leave no token to choose from.
+    """
     eos = settings.eos_id
     eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     name = "eos_id" if isinstance(eos, int) else "eos_id[{}]"
@@ -282,6 +289,12 @@ def _check_ids(settings: GenerationConfig, vocab: int | None):
         )
     if vocab is not None and len(set(bad_ids)) >= vocab:
         raise ValueError(f"bad_ids bans all {vocab} token ids; leave at least one allowed.")
+    if vocab is not None and settings.min_new > 0 and len(set(bad_ids) | set(eos_ids)) >= vocab:
+        raise ValueError(
+            f"bad_ids bans every token id but the eos_id ones {sorted(set(eos_ids))}, and "
+            f"min_new={settings.min_new} masks those out of the first new tokens: no token is "
+            "left to choose. Allow at least one more id, or pass min_new=0."
+        )
     stop = settings.stop or ()
     for i, sequence in enumerate(stop):
         if isinstance(sequence, str):

@@ -3,8 +3,10 @@
 The compiled program calls one module function, `_deliver`, through an ordered
 `io_callback`, with a traced listener id; the id finds the call's `on_token` here. So a
 new callback does not recompile, and a program compiled without streaming has no host
-callback at all. An exception raised by `on_token` stops the calls to it and is raised
-again by `generate` once the program returns.
+callback at all. An exception raised by `on_token`, any `BaseException`
+(`KeyboardInterrupt`, `SystemExit`, `GeneratorExit` too), stops the calls to it and is
+raised again, itself, by `generate` once the program returns: none may escape into the
+runtime, which would turn it into an `INTERNAL: CpuCallback error`.
 """
 
 import contextlib
@@ -33,7 +35,7 @@ def listening(on_token: Callable[[int, int, int], object]) -> Iterator[np.ndarra
     """Register `on_token` for one `generate` call; yields its id, an int32 scalar.
 
     On leaving (after the program's results were read), an exception that `on_token`
-    raised is raised here.
+    raised, of any kind, is raised here: the caller gets the very exception object.
     """
     if not callable(on_token):
         raise TypeError(f"on_token must be a function (row, position, token), got {on_token!r}.")
@@ -64,7 +66,7 @@ def _deliver(ident, tokens, positions, active) -> None:
     try:
         for row in np.flatnonzero(active):
             listener.on_token(int(row), int(positions[row]), int(tokens[row]))
-    except Exception as e:  # raised again by `listening`
+    except BaseException as e:  # noqa: BLE001 (Ctrl-C too: raised again by `listening`)
         listener.error = e
 
 

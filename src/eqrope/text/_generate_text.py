@@ -53,6 +53,11 @@ def generate_text(
     Each row stops generating at the first of the tokenizer's EOS ids (Llama-3 instruct
     lists three): they all go to `generate` as `eos_id`. A `config` with an `eos_id` uses
     its ids instead.
+
+    Refused (`ValueError`): a prompt that encodes to no tokens (an empty string, with a
+    tokenizer that adds no BOS token), named with its index in a list; and whatever
+    `generate` refuses. An exception raised by `stream`, of any kind (`KeyboardInterrupt`
+    included), reaches the caller as it is, and no more pieces are sent.
     """
     taken = sorted(set(_OWN) & set(settings))
     if taken:
@@ -60,11 +65,17 @@ def generate_text(
     one = isinstance(prompt, str)
     if one:
         ids, lengths = np.asarray(tokenizer.encode(prompt), np.int32), None
+        if ids.size == 0:
+            raise ValueError(_EMPTY.format(name="prompt", text=prompt))
     else:
         prompt = list(prompt)
         if not prompt:
             return []
         ids, lengths = tokenizer.encode_batch(prompt)
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            i = int(empty[0])
+            raise ValueError(_EMPTY.format(name=f"prompt[{i}]", text=prompt[i]))
     config = settings.get("config") or GenerationConfig()
     eos_ids = _eos_ids(config.eos_id, tokenizer)
     stop = settings.get("stop", config.stop)
@@ -92,6 +103,12 @@ def generate_text(
     if samples is not None:
         texts = [texts[i : i + samples] for i in range(0, len(texts), samples)]
     return texts[0] if one else texts
+
+
+_EMPTY = (
+    "generate_text: {name} = {text!r} encodes to no tokens, and generation needs at least "
+    "one token to follow. Give it some text, or use a tokenizer that adds a BOS token."
+)
 
 
 def _eos_ids(config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:

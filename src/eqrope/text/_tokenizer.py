@@ -22,7 +22,9 @@ import numpy as np
 import tokenizers
 from jaxtyping import Int32
 
-from .._json import read_json
+from .._checks import check_bool
+from .._json import checked, read_json
+from ..generation._generation_config import eos_ids_of
 
 
 # The named special tokens of tokenizer_config.json that chat templates see as variables
@@ -89,6 +91,16 @@ class Tokenizer:
         `encode` follows the post-processor of tokenizer.json (which adds a BOS token if the
         checkpoint does); the `add_bos_token`/`add_eos_token` switches of some
         tokenizer_config.json files are not applied.
+
+        Raises `FileNotFoundError` without tokenizer.json, and `ValueError`, naming the file
+        and the key, for a file that is not valid JSON or tokenizer.json, and for a field
+        it reads of the wrong type: a named special token (`eos_token`, `pad_token`, ...)
+        that is neither a string nor an AddedToken record (`{"content": "</s>", ...}`), so
+        `"eos_token": 1` is refused rather than read as the token "1"; a special token not
+        in the vocabulary; a `chat_template` that is neither a string nor a list of
+        `{"name": ..., "template": ...}` records; a `clean_up_tokenization_spaces` that is
+        not a bool; an `eos_token_id` in generation_config.json that is not a token id or
+        a list of them (`"</s>"`, `true`, `-1`).
         """
         path = Path(path)
         folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
@@ -105,7 +117,8 @@ class Tokenizer:
             raise ValueError(f"{_WHO}: {file} is not a valid tokenizer.json ({e}).") from None
         config_file = folder / "tokenizer_config.json"
         config = read_json(config_file, _WHO) if config_file.is_file() else {}
-        special = {n: _content(config[n]) for n in _SPECIAL if config.get(n) is not None}
+        where = f"{_WHO}: {config_file}"
+        special = {n: _content(config[n], n, where) for n in _SPECIAL if config.get(n) is not None}
 
         def token_id(name: str) -> int | None:
             if name not in special:
@@ -123,16 +136,18 @@ class Tokenizer:
         generation_file = folder / "generation_config.json"
         if generation_file.is_file():
             extra = read_json(generation_file, _WHO).get("eos_token_id")
-            extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
-            eos_ids += [int(i) for i in extra]
+            eos_ids += checked(eos_ids_of, extra, "eos_token_id", f"{_WHO}: {generation_file}")
+        clean_up = config.get("clean_up_tokenization_spaces")
+        clean_up = clean_up is not None and checked(
+            check_bool, clean_up, "clean_up_tokenization_spaces", where
+        )
         return cls(
             tokenizer,
             eos_ids=tuple(dict.fromkeys(eos_ids)),  # in order, once each
             pad_id=token_id("pad_token"),
-            chat_template=_read_template(folder, config),
+            chat_template=_read_template(folder, config, where),
             special_tokens=special,
-            clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False))
-            and type(tokenizer.model).__name__ != "BPE",
+            clean_up_spaces=clean_up and type(tokenizer.model).__name__ != "BPE",
         )
 
     @property
@@ -173,19 +188,25 @@ class Tokenizer:
         return _clean_up(text) if self.clean_up_spaces else text
 
     def apply_chat_template(
-        self, messages: list[dict], *, add_generation_prompt: bool = False, tokenize: bool = True, **variables
-    ) -> list[int] | str:
-        """Render a conversation with the checkpoint's chat template.
+        self, messages, *, add_generation_prompt: bool = False, tokenize: bool = True, **variables
+    ) -> list[int] | str | list[list[int]] | list[str]:
+        """Render a conversation, or a batch of them, with the checkpoint's chat template.
 
         **Arguments:**
 
-        - `messages`: a list of `{"role": ..., "content": ...}` dicts; keys whose value is
-          `None` are dropped, as transformers does.
+        - `messages`: one conversation, a list of `{"role": ..., "content": ...}` dicts (keys
+          whose value is `None` are dropped, as transformers does); or a batch, a list of
+          such lists, rendered one by one as transformers does. Anything else (a single
+          dict, a message that is not a dict, an empty conversation) raises a `TypeError`
+          or `ValueError` that shows the expected shape.
         - `add_generation_prompt`: end with the template's opening of an assistant turn.
         - `tokenize`: return token ids (encoded without adding special tokens: the template
           writes them); `False` returns the rendered string.
         - `variables`: more template variables (`tools=...`, `enable_thinking=...`); they
           win over the special tokens of the same name.
+
+        **Returns:** for one conversation, its token ids (or its string); for a batch, a
+        list of them, one per conversation.
         """
         if self.chat_template is None:
             raise ValueError(
@@ -193,32 +214,86 @@ class Tokenizer:
                 "tokenizer_config.json and no chat_template.jinja beside it). Pass "
                 "chat_template=... to Tokenizer, or use a chat checkpoint's tokenizer."
             )
-        if not messages:
-            raise ValueError("apply_chat_template needs at least one message.")
-        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        batched = _is_batch(messages)
+        chats = [_chat(c, f"messages[{i}]") for i, c in enumerate(messages)] if batched else [
+            _chat(messages, "messages")
+        ]
         variables = {"tools": None, "documents": None, **self.special_tokens, **variables}
-        text = _compile(self.chat_template).render(
-            messages=chat, add_generation_prompt=add_generation_prompt, **variables
+        template = _compile(self.chat_template)
+        out = []
+        for chat in chats:
+            text = template.render(messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+            out.append(self.encode(text, add_special_tokens=False) if tokenize else text)
+        return out if batched else out[0]
+
+
+_SHAPE = (
+    'a list of {"role": ..., "content": ...} dicts (one conversation), or a list of such '
+    "lists (a batch)"
+)
+
+
+def _is_batch(messages) -> bool:
+    """Whether `messages` is a batch of conversations (transformers' test: the first entry
+    is itself a list or tuple)."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, (list, tuple)):
+        raise TypeError(
+            f"apply_chat_template: messages must be {_SHAPE}; got a {type(messages).__name__}"
+            + (" (wrap one message in a list: [message])." if isinstance(messages, dict) else ".")
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+    return bool(messages) and isinstance(messages[0], (list, tuple))
 
 
-def _content(token) -> str:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
-    return token["content"] if isinstance(token, dict) else str(token)
+def _chat(conversation, name: str) -> list[dict]:
+    """One conversation's messages, checked, without their `None` values."""
+    if not isinstance(conversation, (list, tuple)):
+        raise TypeError(
+            f"apply_chat_template: {name} is a {type(conversation).__name__}; messages must "
+            f"be {_SHAPE}, not a mix."
+        )
+    if not conversation:
+        raise ValueError(f"apply_chat_template: {name} is empty; a conversation needs at least one message.")
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict):
+            raise TypeError(
+                f"apply_chat_template: {name}[{i}] is a {type(m).__name__} ({m!r}), not a "
+                f"message; messages must be {_SHAPE}."
+            )
+    return [{k: v for k, v in m.items() if v is not None} for m in conversation]
 
 
-def _read_template(folder: Path, config: dict) -> str | None:
+def _content(token, name: str, where: str) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken
+    record (`{"content": "</s>", "lstrip": false, ...}`); anything else is refused by name
+    (`"eos_token": 1` is not the token "1")."""
+    content = token.get("content") if isinstance(token, dict) else token
+    if not isinstance(content, str):
+        raise ValueError(
+            f"{where} has {name}={token!r}; a special token is a string (\"</s>\") or an "
+            "AddedToken record ({\"content\": \"</s>\", ...}) whose content is a string."
+        )
+    return content
+
+
+def _read_template(folder: Path, config: dict, where: str) -> str | None:
     """chat_template.jinja, else the inline `chat_template` (a string, or a list of named
-    templates, of which the one named "default")."""
+    templates `{"name": ..., "template": ...}`, of which the one named "default")."""
     file = folder / "chat_template.jinja"
     if file.is_file():
         return file.read_text(encoding="utf-8")
     template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default")
-    return template
+    if template is None or isinstance(template, str):
+        return template
+    entries = template if isinstance(template, list) else [None]
+    for i, t in enumerate(entries):
+        if not (isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("name", "template"))):
+            at = f"chat_template[{i}]={t!r}" if isinstance(template, list) else f"chat_template={template!r}"
+            raise ValueError(
+                f"{where} has {at}; chat_template is a string, or a list of named templates "
+                "like [{\"name\": \"default\", \"template\": \"...\"}], each with a string "
+                "name and template."
+            )
+    return {t["name"]: t["template"] for t in template}.get("default")
 
 
 def _clean_up(text: str) -> str:

@@ -60,6 +60,13 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     Everything is checked and serialised before anything is written; the files go into a
     new directory beside `path`, which is then renamed to `path`. A save that fails at any
     point leaves an earlier checkpoint at `path` as it was.
+
+    Raises `TypeError` for anything but a `RotaryDecoder`; `ValueError` for a model whose
+    arrays do not fit its own config; `NotADirectoryError` for a `path` that is a file;
+    `FileExistsError` for a directory that holds another kind of `config.json`, or a
+    `model.safetensors` without one; and `PermissionError`, before anything is written,
+    when this user may not write `path` or the folder that holds it (the rename needs
+    both).
     """
     if not isinstance(model, RotaryDecoder):
         raise TypeError(
@@ -90,6 +97,7 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     files = {ARRAYS_FILE: arrays_bytes, CONFIG_FILE: config_text.encode()}
     if path.is_dir():
         _check_replaceable(path)
+    check_writable(path, "eqrope.save", beside=True)
     _write_directory(path, files)
     return path
 
@@ -191,6 +199,34 @@ def fill(expected: RotaryDecoder, arrays: dict) -> RotaryDecoder:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(expected)
     values = [jnp.asarray(arrays[_path_name(path)]) for path, _ in leaves]
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def check_writable(path: Path, who: str, *, beside: bool, files: tuple[str, ...] = ()) -> None:
+    """Raise `PermissionError`, starting with `who`, unless this user may write the
+    directory `path` (the nearest existing folder above it, if it does not exist yet) and
+    the `files` in it that exist; with `beside`, the folder that holds `path` too (a save
+    writes a new directory there and renames it into place). Run before anything is
+    written, so a refused save changes nothing."""
+    target = path.resolve()
+    needed = []
+    if target.is_dir():
+        needed.append((target, "the directory itself"))
+    if beside or not target.is_dir():
+        folder = target.parent if beside else target
+        while not folder.exists():
+            folder = folder.parent
+        how = "the new directory is written beside it, then renamed into place"
+        needed.append((folder, how if beside else f"{path} is created inside it"))
+    needed += [(target / f, "a file it replaces") for f in files if (target / f).exists()]
+    for where, why in needed:
+        write = os.W_OK | (os.X_OK if where.is_dir() else 0)
+        if not os.access(where, write):
+            kept = f"; what is at {path} is unchanged" if path.exists() else ""
+            raise PermissionError(
+                f"{who}: cannot write to {path}: this user may not write {where} ({why}). "
+                f"Nothing was written{kept}. Pass a directory you can write, or change "
+                "the permissions."
+            )
 
 
 # -- private helpers -------------------------------------------------------------------

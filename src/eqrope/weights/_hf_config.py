@@ -7,14 +7,17 @@
 | `qwen2` | `Qwen2ForCausalLM` | q/k/v biases; a window on the layers `layer_types` names |
 | `qwen3` | `Qwen3ForCausalLM` | q/k RMSNorm, `head_dim` (default 128), `attention_bias` |
 
-Every field read is checked for type and range, and a field eqrope cannot honour raises
-a `ValueError` naming it and the file.
+A key the file leaves out takes the default of the family's transformers config class
+(`LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`: `_DEFAULTS`), so a Mistral
+config without `sliding_window` has transformers' window of 4096. Every field read is
+checked for type and range under its key in the file, and a field eqrope cannot honour
+raises a `ValueError` naming it and the file.
 """
 
 from ..model._attention_options import AttentionOptions
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_bool, check_int
 from ..model._config import DecoderConfig
-from ._hf_rope import read_rope, valid, write_rope
+from ._hf_rope import check_above, read_rope, valid, write_rope
 
 
 ARCHITECTURES = {
@@ -23,8 +26,33 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# Where the config does not name `head_dim`, transformers' default for the family.
-_HEAD_DIM_DEFAULT = {"qwen3": 128}
+# The value transformers' config class gives each key eqrope reads when config.json leaves
+# it out (the class attributes of `LlamaConfig`, ... in transformers 5). `None` for
+# `head_dim` means `hidden_size // num_attention_heads`, for `num_key_value_heads`
+# `num_attention_heads`, for `sliding_window` no window. Qwen2 has no `head_dim` (its
+# attention takes the key when present, as here); Mistral and Qwen2 no `attention_bias`.
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+    "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "mlp_bias": False,
+}  # fmt: skip
+_QWEN_DEFAULTS = {
+    **_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016,
+    "num_key_value_heads": 32, "max_position_embeddings": 32768,
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    "layer_types": None,
+}  # fmt: skip
+_DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {
+        **_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
+    },
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128},
+}  # fmt: skip
 
 
 def decoder_config(hf: dict, source: str, dtype_name: str, max_len: int | None) -> DecoderConfig:
@@ -34,36 +62,46 @@ def decoder_config(hf: dict, source: str, dtype_name: str, max_len: int | None) 
     `max_position_embeddings`, which bounds it.
     """
     family = hf.get("model_type")
-    if family not in ARCHITECTURES:
+    if not isinstance(family, str) or family not in ARCHITECTURES:
         raise ValueError(
             f"from_hf: {source} has model_type={family!r}; eqrope reads "
             f"{', '.join(repr(f) for f in ARCHITECTURES)} checkpoints "
             f"({', '.join(ARCHITECTURES.values())})."
         )
+    hf = {**_DEFAULTS[family], **hf}  # the keys the file leaves out, as transformers fills them
 
     def need(name):
-        if name not in hf or hf[name] is None:
-            raise ValueError(f"from_hf: {source} has no field {name!r}; a {family} config needs it.")
+        if hf.get(name) is None:
+            raise ValueError(
+                f"from_hf: {source} has no field {name!r}: it is null, and a {family} config "
+                f"needs a value (leave the key out for transformers' default, "
+                f"{_DEFAULTS[family][name]!r})."
+            )
         return hf[name]
 
     def size(name, value=None):
         return valid(check_int, need(name) if value is None else value, name, source, minimum=1)
 
     def flag(name):
-        return valid(check_bool, hf.get(name, False), name, source)
+        return valid(check_bool, hf[name], name, source)
 
     def refuse(name, why):
         raise ValueError(
             f"from_hf: {source} has {name}={hf.get(name)!r}, which eqrope cannot honour: {why}"
         )
 
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf["hidden_act"] != "silu":
         refuse("hidden_act", "eqrope's SwiGLU gates with silu, as these families do.")
     d_model, n_heads, n_blocks = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
-    head_dim = hf.get("head_dim", _HEAD_DIM_DEFAULT.get(family))
-    head_dim = None if head_dim is None else size("head_dim", head_dim)
+    head_dim = None if hf["head_dim"] is None else size("head_dim")
     if head_dim is None and d_model % n_heads != 0:
         refuse("num_attention_heads", f"it does not divide hidden_size={d_model}.")
+    if (head_dim or d_model // n_heads) % 2 != 0:
+        refuse(
+            "head_dim" if head_dim else "num_attention_heads",
+            f"the head width {head_dim or f'hidden_size // num_attention_heads = {d_model // n_heads}'} "
+            "is odd, and rotary embeddings rotate pairs of dimensions.",
+        )
     positions = size("max_position_embeddings")
     if max_len is None:
         max_len = positions
@@ -85,25 +123,34 @@ def decoder_config(hf: dict, source: str, dtype_name: str, max_len: int | None) 
         qk_norm=family == "qwen3",
         **_window(hf, family, n_blocks, source),
     )
-    n_kv_heads = hf.get("num_key_value_heads")
+    n_kv_heads = n_heads if hf["num_key_value_heads"] is None else size("num_key_value_heads")
+    if n_heads % n_kv_heads != 0:
+        refuse(
+            "num_key_value_heads",
+            f"it does not divide num_attention_heads={n_heads}; each key/value head serves "
+            "a whole group of query heads.",
+        )
+    fields = dict(
+        vocab_size=size("vocab_size"),
+        d_ff=size("intermediate_size"),
+        **read_rope(hf, source, positions),
+        norm_eps=valid(check_above, hf["rms_norm_eps"], "rms_norm_eps", source),
+        tie_embeddings=flag("tie_word_embeddings"),
+    )
     try:
         return DecoderConfig(
-            vocab_size=size("vocab_size"),
             d_model=d_model,
             n_heads=n_heads,
             n_blocks=n_blocks,
             max_len=max_len,
-            d_ff=size("intermediate_size"),
-            n_kv_heads=n_heads if n_kv_heads is None else size("num_key_value_heads"),
+            n_kv_heads=n_kv_heads,
             attention=attention,
-            **read_rope(hf, source, positions),
-            norm_eps=valid(check_float, hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             bias=mlp_bias,
             head_bias=False,
-            tie_embeddings=flag("tie_word_embeddings"),
             dtype=dtype_name,
+            **fields,
         )
-    except ValueError as e:
+    except ValueError as e:  # every field was checked above under its key; a bug if reached
         raise ValueError(f"from_hf: {source} does not give a valid eqrope config: {e}") from None
 
 
@@ -112,9 +159,9 @@ def _window(hf: dict, family: str, n_blocks: int, source: str) -> dict:
     `max_window_layers` and `layer_types`, as transformers reads them."""
     if family == "llama":
         return {}
-    window = hf.get("sliding_window")
+    window = hf["sliding_window"]
     if family in ("qwen2", "qwen3") and not valid(
-        check_bool, hf.get("use_sliding_window", False), "use_sliding_window", source
+        check_bool, hf["use_sliding_window"], "use_sliding_window", source
     ):
         window = None
     window = None if window is None else valid(check_int, window, "sliding_window", source, minimum=1)
@@ -122,12 +169,13 @@ def _window(hf: dict, family: str, n_blocks: int, source: str) -> dict:
     if kinds is None:
         if window is None or family == "mistral":
             return dict(window=window)
-        first = valid(check_int, hf.get("max_window_layers", 28), "max_window_layers", source, minimum=0)
+        first = valid(check_int, hf["max_window_layers"], "max_window_layers", source, minimum=0)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n_blocks)]
-    if not isinstance(kinds, list) or len(kinds) != n_blocks or not set(kinds) <= {
-        "sliding_attention",
-        "full_attention",
-    }:
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != n_blocks
+        or not all(k in ("sliding_attention", "full_attention") for k in kinds)
+    ):
         raise ValueError(
             f"from_hf: {source} has layer_types={kinds!r}; eqrope reads a list of "
             f"{n_blocks} entries, each 'sliding_attention' or 'full_attention'."

@@ -13,7 +13,7 @@ import numpy as np
 import safetensors.numpy
 
 from ._checkpoint import FORMAT as _CHECKPOINT_FORMAT
-from ._checkpoint import named_arrays
+from ._checkpoint import check_writable, named_arrays
 from ..model._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import hf_config
@@ -42,6 +42,12 @@ def to_hf(
 
     **Returns:** the directory, as a `Path`.
 
+    Raises, before anything is written: `TypeError` for anything but a `RotaryDecoder`;
+    `ValueError` for a model no family expresses, or a non-zero head bias without
+    `drop_head_bias`; `NotADirectoryError` for a `path` that is a file; `FileExistsError`
+    for a directory holding an eqrope checkpoint or a sharded Hugging Face one; and
+    `PermissionError` when this user may not write `path` (or the files it replaces).
+
     The config has no special tokens (`bos_token_id`, `eos_token_id` are null), since an
     eqrope model has none; set them if your tokenizer has them.
     """
@@ -69,6 +75,7 @@ def to_hf(
             f"to_hf: {path} holds an eqrope checkpoint; refusing to overwrite it. "
             "Write into another directory."
         )
+    check_writable(path, "to_hf", beside=False, files=(SINGLE_FILE, CONFIG_FILE))
     path.mkdir(parents=True, exist_ok=True)
     # The head bias, checked above, is dropped: these families have none.
     tensors = to_hf_arrays(arrays, dataclasses.replace(c, head_bias=False))

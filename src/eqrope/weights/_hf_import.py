@@ -4,15 +4,17 @@
 differ (the rotary pairing, the head bias) and `_weights.py` maps them, array by array.
 """
 
+import dataclasses
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import safetensors
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from .._checks import check_int
-from ..model._config import DecoderConfig
+from ..model._config import _DTYPES, DecoderConfig
 from ..model._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import ARCHITECTURES, decoder_config
@@ -36,9 +38,10 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
     **Arguments:**
 
     - `path`: the directory `save_pretrained` wrote (or a hub snapshot).
-    - `dtype`: the model's dtype; `None` keeps the checkpoint's (bfloat16 stays
-      bfloat16; norms, softmax and rotary angles compute in float32 whatever it is).
-      `"float32"` converts.
+    - `dtype`: the model's dtype, one of `"float32"`, `"bfloat16"`, `"float16"`,
+      `"float64"` (with `jax_enable_x64`) or the matching NumPy/JAX dtype; `None` keeps
+      the checkpoint's (bfloat16 stays bfloat16; norms, softmax and rotary angles compute
+      in float32 whatever it is). `"float32"` converts.
     - `max_len`: the model's `max_len`, that is the longest cache
       [`eqrope.generate`][] and `init_cache` may allocate; `None` means the config's
       `max_position_embeddings`, which bounds it. [`eqrope.generate`][] sizes each call's
@@ -48,13 +51,22 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
     Face model. The query and key rows are permuted from rotate-half to interleaved pairing
     (`eqrope.weights._hf.pairing_permutation`; docs/weights.md explains why).
 
+    A key `config.json` leaves out takes the default of the family's transformers config
+    class, as transformers reads the file (a Mistral without `sliding_window` has a window
+    of 4096, a Qwen3 without `head_dim` heads of 128).
+
     Config fields that eqrope cannot honour raise a `ValueError` naming the field: an
     unknown `model_type`, a `hidden_act` other than `silu`, `mlp_bias` without
     `attention_bias`, a `rope_scaling` type other than `linear`, `llama3`, `yarn` or
     `dynamic` (or a key eqrope does not know for its type), partial rotary embeddings. So
-    does a field of the wrong type or range (`num_attention_heads: 0`, `hidden_size: "32"`,
-    `rope_theta: null`), a missing or misshapen tensor, and a shard in the index that lies
-    outside `path` (absolute, `..`, or a symlink out of it).
+    does a field of the wrong type or range, under its key in `config.json`
+    (`num_attention_heads: 0`, `hidden_size: "32"`, `rope_theta: null`, `rms_norm_eps:
+    -1e-6`, a `num_key_value_heads` that does not divide `num_attention_heads`, an odd
+    head width, a llama3 `high_freq_factor` not above `low_freq_factor`), a missing or
+    misshapen tensor, a tensor of integers (named, `model.embed_tokens.weight` included),
+    and a shard in the index that lies outside `path` (absolute, `..`, or a symlink out of
+    it). A `dtype` eqrope models cannot hold (`"int8"`, `"bogus"`) raises a `ValueError`
+    naming `dtype` and the choices.
     """
     path = Path(path)
     if not path.is_dir():
@@ -68,12 +80,13 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
             f"from_hf: {config_file} is missing; a Hugging Face model directory has one."
         )
     hf = read_json(config_file, "from_hf")
-    if not isinstance(hf, dict):
-        raise ValueError(f"from_hf: {config_file} is not a JSON object.")
     max_len = check_int(max_len, "max_len", minimum=1, none=True)
-    # The config is checked before any weights are read; the dtype comes from them.
-    dtype_name = "float32" if dtype is None else np.dtype(dtype).name
-    config = decoder_config(hf, str(config_file), dtype_name, max_len)
+    dtype_name = _model_dtype(
+        dtype, f"from_hf: dtype={dtype!r}", "Pass one of them, or None for the checkpoint's."
+    )
+    # The config is checked before any weights are read; without `dtype`, the dtype comes
+    # from them, once they are checked (float32 until then: the shapes do not depend on it).
+    config = decoder_config(hf, str(config_file), dtype_name or "float32", max_len)
     tensors = _read_tensors(path)
     embed_name = "model.embed_tokens.weight"
     if embed_name not in tensors:
@@ -81,10 +94,16 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
             f"from_hf: the weights in {path} have no {embed_name!r}; is this a "
             f"{hf.get('model_type')} causal language model?"
         )
-    if dtype is None:
-        dtype_name = np.dtype(tensors[embed_name].dtype).name
-        config = decoder_config(hf, str(config_file), dtype_name, max_len)
     _check_tensors(tensors, config, path, hf["model_type"])
+    if dtype_name is None:
+        kept = np.dtype(tensors[embed_name].dtype).name
+        dtype_name = _model_dtype(
+            kept,
+            f"from_hf: tensor {embed_name!r} in {path} is {kept}, and dtype=None keeps the "
+            "checkpoint's dtype",
+            "Pass dtype='float32' (or another of them) to convert.",
+        )
+        config = dataclasses.replace(config, dtype=dtype_name)
     arrays = from_hf_arrays(tensors, config)
     expected = skeleton(config)
     problems = compare_to_skeleton(arrays, expected)
@@ -131,6 +150,25 @@ def _check_tensors(tensors: dict, c: DecoderConfig, path: Path, family: str) -> 
             + "\n  ".join(problems)
             + f"\nIs this an unmodified {ARCHITECTURES[family]} checkpoint?"
         )
+
+
+def _model_dtype(dtype, what: str, fix: str) -> str | None:
+    """The name of `dtype` if an eqrope model can hold it (`None` stays `None`); else a
+    `ValueError` that starts with `what` (who gave it) and ends with `fix`."""
+    if dtype is None:
+        return None
+    try:
+        name = np.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in _DTYPES:
+        raise ValueError(f"{what}: eqrope models hold one of {', '.join(_DTYPES)}. {fix}")
+    if name == "float64" and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+        raise ValueError(
+            f"{what}: float64 needs jax_enable_x64, which is off (every array would silently "
+            f"be float32); call jax.config.update('jax_enable_x64', True) first. {fix}"
+        )
+    return name
 
 
 def _is_float(dtype) -> bool:

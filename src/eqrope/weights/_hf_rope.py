@@ -5,7 +5,10 @@ One table (`_HF_NAMES` over `ROPE_KIND_FIELDS`) says which key of a `rope_parame
 `write_rope` (for `to_hf`) both read it, so the round trip is exact.
 """
 
+import dataclasses
+
 from .._checks import check_bool, check_float, check_int
+from .._json import checked
 from ..model._config import ROPE_KIND_FIELDS, DecoderConfig, RopeScaling
 from ..model._rope import yarn_mscale
 
@@ -42,10 +45,15 @@ def _hf_fields(kind: str) -> dict[str, str]:
 
 def valid(check, value, name: str, source: str, **kwargs):
     """`check(value, name, **kwargs)`, its error raised as a `ValueError` naming `source`."""
-    try:
-        return check(value, name, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"from_hf: {source}: {e}") from None
+    return checked(check, value, name, f"from_hf: {source}", **kwargs)
+
+
+def check_above(value, name: str, bound: float = 0.0) -> float:
+    """A finite number greater than `bound`, as `float` (`check_float` with a range)."""
+    value = check_float(value, name)
+    if not value > bound:
+        raise ValueError(f"{name} must be > {bound:g}, got {value!r}.")
+    return value
 
 
 def read_rope(hf: dict, source: str, max_len: int) -> dict:
@@ -54,14 +62,15 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
     # transformers >= 5 writes `rope_parameters`; older versions `rope_theta` + `rope_scaling`.
     # As in transformers, a non-empty `rope_scaling` wins.
     field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(field) or {}
+    params = hf.get(field)
+    params = {} if params is None else params
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ValueError(
             f"from_hf: {source} has {field}={params!r}; eqrope supports one flat dict "
             "(per-layer rotary parameters are not supported)."
         )
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default" and kind not in ROPE_KIND_FIELDS:
+    if not isinstance(kind, str) or (kind != "default" and kind not in ROPE_KIND_FIELDS):
         raise ValueError(
             f"from_hf: {source} has {field} type {kind!r}; eqrope supports 'default', "
             f"{', '.join(repr(k) for k in ROPE_KIND_FIELDS)} rotary scaling."
@@ -78,7 +87,12 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
     def number(name, value):
         return valid(check_float, value, name, source)
 
-    base = number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    # eqrope's rotary frequencies need a base above 1 (rope_base); 10000 is every family's default.
+    if "rope_theta" in params:
+        theta, theta_key = params["rope_theta"], f"{field}.rope_theta"
+    else:
+        theta, theta_key = hf.get("rope_theta", 10000.0), "rope_theta"
+    base = valid(check_above, theta, theta_key, source, bound=1.0)
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial is not None and number("partial_rotary_factor", partial) != 1.0:
         raise ValueError(
@@ -94,27 +108,50 @@ def read_rope(hf: dict, source: str, max_len: int) -> dict:
         return dict(rope_base=base, rope_scaling=None)
     scaling = dict(kind=kind)
     for key, name in fields.items():
-        value = params.get(key)
+        value, where = params.get(key), f"{field}.{key}"
         if key == "original_max_position_embeddings":
             # As transformers: a top-level original_max_position_embeddings wins, else the
             # dict's, else max_position_embeddings.
-            value = hf[key] if hf.get(key) is not None else params.get(key, max_len)
+            if hf.get(key) is not None:
+                value, where = hf[key], key
+            elif key not in params:
+                value, where = max_len, "max_position_embeddings"
         if value is None and name in _REQUIRED:
             raise ValueError(
                 f"from_hf: {source} has {field} type {kind!r} without a {key!r}."
             )
         if value is None and (name in _NULL_IS_DEFAULT or key not in params):
             continue
-        check, kwargs = _CHECKS.get(name, (check_float, {}))
-        scaling[name] = valid(check, value, key, source, **kwargs)
+        check, kwargs = _CHECKS.get(name, (check_above, {}))
+        scaling[name] = valid(check, value, where, source, **kwargs)
     for name in _FROM_MAX_POSITIONS.get(kind, ()):
         scaling[name] = max_len
+    _check_order(scaling, field, source)
     if kind == "yarn" and scaling.get("attention_factor") is None:
         scaling.update(_mscale_attention(params, scaling["factor"], number))
     try:
         return dict(rope_base=base, rope_scaling=RopeScaling(**scaling))
     except ValueError as e:
         raise ValueError(f"from_hf: {source} has an invalid {field}: {e}") from None
+
+
+# The pairs of fields each kind needs in order (low, high), with RopeScaling's defaults.
+_ORDERED = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ("beta_slow", "beta_fast")}
+
+
+def _check_order(scaling: dict, field: str, source: str) -> None:
+    """Refuse, by their keys in the file, a llama3 `high_freq_factor <= low_freq_factor`
+    or a yarn `beta_fast <= beta_slow` (the ramp between them would be empty or reversed)."""
+    pair = _ORDERED.get(scaling["kind"])
+    if pair is None:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(RopeScaling)}
+    low, high = (scaling.get(n, defaults[n]) for n in pair)
+    if not high > low:
+        raise ValueError(
+            f"from_hf: {source} has {field}.{pair[1]}={high} <= {field}.{pair[0]}={low}; "
+            f"{scaling['kind']} needs {pair[1]} > {pair[0]}."
+        )
 
 
 def _mscale_attention(params: dict, factor: float, number) -> dict:

@@ -27,6 +27,11 @@ class PromptLookup:
     so a repeating pattern drafts as far as asked. With no match, the draft repeats the
     last token. `draft="prompt_lookup"` is `PromptLookup()`.
 
+    No suffix is longer than the call's cache, so a `max_ngram` past the cache length
+    drafts as the cache length does, and the program's size does not grow with it.
+    Refused: a `max_ngram` or `min_ngram` that is not an int (`TypeError`), below 1 or
+    with `min_ngram > max_ngram` (`ValueError`).
+
     The draft is deterministic: under the residual rule a drafted token `x` is accepted
     with the target's probability of `x`.
     """
@@ -44,6 +49,11 @@ class PromptLookup:
             )
 
 
+# Up to this many suffix lengths the search is unrolled; past it, a while loop that stops
+# with the longest run: the program's size does not grow with `max_ngram`.
+UNROLL = 8
+
+
 def lookup_draft(
     tokens: Int[Array, " max_len"], pos: Int[Array, ""], draft_len: int, lookup: PromptLookup
 ) -> Int[Array, " draft_len"]:
@@ -53,18 +63,40 @@ def lookup_draft(
     `match[j]` counts how many tokens before `j` equal the text's last ones (up to
     `max_ngram`): a match at `j` proposes `tokens[j], tokens[j + 1], ...`, and a
     continuation past the text repeats with period `pos - j`, the draft's own tokens.
+
+    A suffix is at most `max_len - 1` tokens long (a match needs a token after it), so
+    the search runs `min(max_ngram, max_len - 1)` lengths at most: unrolled up to
+    `UNROLL` of them, else in a `jax.lax.while_loop` that also stops once no position
+    still matches. Any `max_ngram` compiles a program of one size.
     """
     max_len = tokens.shape[0]
     j = jnp.arange(max_len, dtype=jnp.int32)
-    run = jnp.ones((max_len,), jnp.bool_)
-    match = jnp.zeros((max_len,), jnp.int32)
-    for back in range(1, lookup.max_ngram + 1):
+    longest = min(lookup.max_ngram, max_len - 1)
+
+    def extend(back, run, match):
+        """Runs of `back` tokens: the match at `j` grows where the one of `back - 1` did."""
         before = tokens[jnp.clip(j - back, 0, max_len - 1)]
         end = tokens[jnp.clip(pos - back, 0, max_len - 1)]
-        run = run & (j - back >= 0) & (pos - back >= 0) & (before == end)
-        match = match + run.astype(jnp.int32)
+        run = run & (j - back >= 0) & (before == end)
+        return run, match + run.astype(jnp.int32)
+
     # Only continuations inside the text, and not the text's end matching itself.
-    match = jnp.where(j < pos, match, 0)
+    run = j < pos
+    match = jnp.zeros((max_len,), jnp.int32)
+    if longest <= UNROLL:
+        for back in range(1, longest + 1):
+            run, match = extend(back, run, match)
+    else:
+
+        def going(carry):
+            back, run, _ = carry
+            return (back <= longest) & jnp.any(run)
+
+        def grow(carry):
+            back, run, match = carry
+            return (back + 1, *extend(back, run, match))
+
+        _, _, match = jax.lax.while_loop(going, grow, (jnp.ones((), jnp.int32), run, match))
     # The longest match, the most recent among equals: argmax finds the first maximum.
     score = match * max_len + j
     best = jnp.argmax(score).astype(jnp.int32)
