@@ -28,15 +28,16 @@ from ._arrays import for_decoding, rebuild, split_model
 from ._prefill import prepare
 from ._request import Request
 from ._result import NON_FINITE, Outputs, to_host
+from ._rows import over_rows
 from ._sampling import Sampling, choose_token, row_keys
 from ._state import TextState, check_logits, commit, start_text
 from ._stream import streamed
 
 
 class DecodeState(eqx.Module):
-    """The carry of the decode loop: the batched [`eqrope.KVCache`][] (rows `0 .. pos - 1`
-    of each row filled), the float32 `logits` for the token at each row's `pos`, and the
-    `text`."""
+    """The carry of the decode loop: the rows' [`eqrope.KVCache`][] (no batch axis for
+    one row; rows `0 .. pos - 1` of each row filled), the float32 `logits` for the token
+    at each row's `pos`, and the `text`."""
 
     cache: KVCache
     logits: Float[Array, "batch vocab"]
@@ -176,6 +177,6 @@ def decode_step(
     step = functools.partial(
         model.step, check=False, kv_bound=jnp.max(step_pos), kv_low=jnp.min(step_pos)
     )
-    logits, cache = jax.vmap(step)(tok, state.cache, step_pos)
+    logits, cache = over_rows(step, tok, state.cache, step_pos)
     cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
     return DecodeState(cache=cache, logits=logits, text=text)

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float
 from ..model import KVCache
 from ..sharding._rules import constrain
 from ._processors import prompt_history
+from ._rows import over_rows, repeat_rows, rows_cache
 
 
 def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
@@ -24,11 +25,14 @@ def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
     if samples is None:
         return cache, logits, buffer, lengths, history
     # One prefill per prompt; its cache rows serve every sample.
+    cache = repeat_rows(cache, samples, buffer.shape[0])
     repeat = functools.partial(jnp.repeat, repeats=samples, axis=0)
-    cache, logits, buffer, lengths, history = jax.tree.map(
-        repeat, (cache, logits, buffer, lengths, history)
-    )
+    logits, buffer, lengths, history = jax.tree.map(repeat, (logits, buffer, lengths, history))
     return constrain(cache, mesh, rules), logits, buffer, lengths, history
+
+
+# Prompts up to this long are prefilled in one piece of this many tokens.
+SHORT = 16
 
 
 def prefill_rows(
@@ -37,34 +41,46 @@ def prefill_rows(
     """Prefill every row in chunks; only chunks that start before the longest prompt run.
 
     The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
-    may recompute rows an earlier chunk wrote, with the same tokens and positions.
+    may recompute rows an earlier chunk wrote, with the same tokens and positions. When
+    every prompt fits in `SHORT` tokens, one piece of that many runs instead.
 
-    **Returns:** the batched cache and the float32 logits at each row's last prompt token.
+    **Returns:** the cache of the rows (`_rows.rows_cache`: no batch axis for one row)
+    and the float32 logits at each row's last prompt token.
     """
     batch, max_len = buffer.shape
-    single = model.init_cache(max_len=max_len)
-    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), single)
-    cache = constrain(cache, mesh, rules)
-    n_chunks = math.ceil(max_len / chunk)
+    # One row holds its cache without a batch axis (see `_rows.py`).
+    cache = constrain(rows_cache(model.init_cache(max_len=max_len), batch), mesh, rules)
     longest = jnp.max(lengths)
 
-    def row(ids, length, cache, last, start):
-        piece = jax.lax.dynamic_slice(ids, (start,), (chunk,))
-        logits, cache = model.prefill(piece, cache, start, check=False)
-        index = length - 1 - start
-        here = (index >= 0) & (index < chunk)
-        last = jnp.where(here, logits[jnp.clip(index, 0, chunk - 1)].astype(last.dtype), last)
-        return cache, last
+    def rows(size: int, start, carry):
+        """Every row's `size` tokens from `start` (unbatched), and the logits at each
+        row's last prompt token where it falls among them."""
 
-    def body(carry, j):
-        start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
+        def row(ids, length, cache, last):
+            piece = jax.lax.dynamic_slice(ids, (start,), (size,))
+            logits, cache = model.prefill(piece, cache, start, check=False)
+            index = length - 1 - start
+            here = (index >= 0) & (index < size)
+            last = jnp.where(here, logits[jnp.clip(index, 0, size - 1)].astype(last.dtype), last)
+            return cache, last
 
-        def run(carry):
-            cache, last = carry
-            return jax.vmap(row, in_axes=(0, 0, 0, 0, None))(buffer, lengths, cache, last, start)
+        return over_rows(row, buffer, lengths, *carry)
 
-        return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
+    def chunks(carry):
+        def body(carry, j):
+            start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
+            run = lambda c: rows(chunk, start, c)
+            return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
 
-    last = jnp.zeros((batch, model.vocab_size), jnp.float32)
-    (cache, last), _ = jax.lax.scan(body, (cache, last), jnp.arange(n_chunks, dtype=jnp.int32))
-    return cache, last
+        n_chunks = math.ceil(max_len / chunk)
+        return jax.lax.scan(body, carry, jnp.arange(n_chunks, dtype=jnp.int32))[0]
+
+    carry = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32))
+    short = min(SHORT, max_len)
+    if chunk <= short:
+        return chunks(carry)
+    # Short prompts (the common case of a chat turn or a benchmark) run one short piece
+    # instead of a whole padded chunk; the branch is on the traced lengths, so a new
+    # prompt length compiles nothing.
+    start = jnp.zeros((), jnp.int32)
+    return jax.lax.cond(longest <= short, lambda c: rows(short, start, c), chunks, carry)

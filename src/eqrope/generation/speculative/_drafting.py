@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from ...model import KVCache
 from .._processors import History, record
+from .._rows import over_rows
 from .._sampling import Sampling, draw, process_logits
 
 
@@ -44,7 +45,7 @@ def model_drafts(
     start = jnp.maximum(pos - 2, 0)
     pair = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (2,)))(tokens, start)
     feed = functools.partial(draft.prefill, check=False, kv_bound=jnp.max(start), kv_low=jnp.min(start))
-    logits, cache = jax.vmap(feed)(pair, cache, start)
+    logits, cache = over_rows(feed, pair, cache, start)
     logits = jnp.take_along_axis(logits, jnp.clip(pos - 1 - start, 0, 1)[:, None, None], axis=1)[:, 0]
     choose = jax.vmap(draw, in_axes=(0, 0, 0, None))
 
@@ -62,7 +63,7 @@ def model_drafts(
         step = functools.partial(
             draft.step, check=False, kv_bound=jnp.max(step_pos), kv_low=jnp.min(step_pos)
         )
-        logits, cache = jax.vmap(step)(token, cache, step_pos)
+        logits, cache = over_rows(step, token, cache, step_pos)
         return (cache, logits, history), (token, logq, bad)
 
     steps = jnp.arange(draft_len - 1, dtype=jnp.int32)

@@ -32,6 +32,7 @@ from .._arrays import for_decoding, rebuild, split_model
 from .._prefill import prepare
 from .._request import Request
 from .._result import NON_FINITE, Outputs, to_host
+from .._rows import over_rows
 from .._sampling import Sampling, model_logprob, process_logits, row_keys
 from .._state import TextState, check_logits, commit, start_text
 from .._stream import streamed
@@ -188,7 +189,7 @@ def _verify(model, cache: KVCache, tokens, pos, drafts):
     start = jnp.minimum(pos - 1, max_len - k - 1)
     ids = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (k + 1,)))(text, start)
     run = functools.partial(model.prefill, check=False, kv_bound=jnp.max(start), kv_low=jnp.min(start))
-    logits, cache = jax.vmap(run)(ids, cache, start)
+    logits, cache = over_rows(run, ids, cache, start)
     return logits.astype(jnp.float32), cache
 
 
