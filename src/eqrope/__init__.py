@@ -4,6 +4,7 @@ The public API is `eqrope.NAME`; the folders group it by concern: `model`, `gene
 `text`, `weights`, `training` and `sharding`.
 """
 
+from .eval import Scores as Scores, score as score
 from .generation import (
     Generation as Generation,
     GenerationConfig as GenerationConfig,
