@@ -149,3 +149,40 @@ def test_shardings_of_an_unstacked_model_drop_the_blocks_axis():
         for a, b in zip(jax.tree.leaves(unstacked.blocks[i]), jax.tree.leaves(stacked.blocks)):
             assert tuple(a.spec) == tuple(b.spec)[1:]
     assert unstacked.embed.spec == stacked.embed.spec
+
+
+def test_checkpoints_hold_the_stacked_layout_and_load_either(tmp_path):
+    model = build("gqa_window_qknorm")
+    eqrope.save(tmp_path / "a", model.unstacked())  # an unstacked model saves stacked
+    for layout in ("stacked", "unstacked"):
+        back = eqrope.load(tmp_path / "a", layout=layout)
+        assert back.layout == layout
+        for a, b in zip(jax.tree.leaves(back.stacked()), jax.tree.leaves(model)):
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="layout must be 'stacked'.*'unstacked'.*got 'rows'"):
+        eqrope.load(tmp_path / "a", layout="rows")
+    with pytest.raises(ValueError, match="layout"):
+        model.with_layout("scan")
+
+
+def test_to_hf_and_from_hf_take_either_layout(tmp_path):
+    model = eqrope.RotaryDecoder(48, 32, 4, 2, 64, head_bias=False, key=jax.random.key(1))
+    eqrope.to_hf(model.unstacked(), tmp_path / "hf")
+    back = eqrope.from_hf(tmp_path / "hf", layout="unstacked")
+    assert back.layout == "unstacked"
+    ids = jnp.arange(10, dtype=jnp.int32)
+    np.testing.assert_array_equal(back(ids), model.unstacked()(ids))
+    with pytest.raises(ValueError, match="from_hf: layout"):
+        eqrope.from_hf(tmp_path / "hf", layout="layers")
+
+
+def test_a_stacked_model_refuses_a_per_block_cache():
+    model = build("plain")
+    cache = model.unstacked().init_cache(max_len=16)
+    with pytest.raises(TypeError, match="one buffer per block.*model.unstacked"):
+        model.step(jnp.int32(1), cache, 0)
+    # An unstacked model also takes a stacked cache, with the same logits.
+    unstacked = model.unstacked()
+    a, _ = unstacked.step(jnp.int32(1), model.init_cache(max_len=16), 0)
+    b, _ = model.step(jnp.int32(1), model.init_cache(max_len=16), 0)
+    assert_close(a, b)

@@ -16,6 +16,17 @@ from ._norm import make_norm, norm_rows
 
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in SIZES)
+LAYOUTS = ("stacked", "unstacked")
+
+
+def check_layout(layout, name: str) -> str:
+    """`layout` if it is one of `LAYOUTS`; otherwise a `ValueError` naming `name`."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(
+            f"{name} must be 'stacked' (training: a scan over blocks) or 'unstacked' "
+            f"(generation: one buffer per block), got {layout!r}."
+        )
+    return layout
 
 
 class RotaryDecoder(eqx.Module):
@@ -114,6 +125,11 @@ class RotaryDecoder(eqx.Module):
         take = lambda i: jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, self.blocks)
         blocks = tuple(take(i) for i in range(self.config.n_blocks))
         return eqx.tree_at(lambda m: m.blocks, self, blocks)
+
+    def with_layout(self, layout: str) -> "RotaryDecoder":
+        """`self.stacked()` for `"stacked"`, `self.unstacked()` for `"unstacked"`."""
+        check_layout(layout, "layout")
+        return self.stacked() if layout == "stacked" else self.unstacked()
 
     def stacked(self) -> "RotaryDecoder":
         """The same model with its blocks stacked on a leading axis: the layout for

@@ -32,7 +32,7 @@ import safetensors
 import safetensors.numpy
 
 from ..model._config import DecoderConfig
-from ..model._decoder import RotaryDecoder
+from ..model._decoder import RotaryDecoder, check_layout
 from .._json import peek_json, read_json
 
 
@@ -102,12 +102,14 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     return path
 
 
-def load(path: str | os.PathLike) -> RotaryDecoder:
+def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
     """Read a checkpoint written by [`eqrope.save`][].
 
     **Arguments:**
 
     - `path`: the checkpoint directory.
+    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
+      layout generation decodes on; see [`eqrope.RotaryDecoder`][]).
 
     **Returns:** the [`eqrope.RotaryDecoder`][], bitwise equal to the one saved.
 
@@ -116,6 +118,7 @@ def load(path: str | os.PathLike) -> RotaryDecoder:
     invalid config, or a config that does not match the arrays (a missing, extra,
     reshaped or retyped array, or arrays saved with another config).
     """
+    check_layout(layout, "load: layout")
     path = Path(path)
     if not path.is_dir():
         hint = (
@@ -142,7 +145,7 @@ def load(path: str | os.PathLike) -> RotaryDecoder:
             + "\n  ".join(problems) + "\nThe config says which arrays the model has; "
             "restore the matching pair of files (both from the same eqrope.save)."
         )
-    return fill(expected, arrays)
+    return fill(expected, arrays).with_layout(layout)
 
 
 # -- pieces shared with the Hugging Face converter --------------------------------------
@@ -154,7 +157,10 @@ def skeleton(config: DecoderConfig) -> RotaryDecoder:
 
 
 def named_arrays(model: RotaryDecoder) -> dict[str, jax.Array | jax.ShapeDtypeStruct | np.ndarray]:
-    """Every array leaf of `model` by its pytree path, e.g. `"blocks.attn.wqkv"`."""
+    """Every array leaf of `model` by its pytree path, e.g. `"blocks.attn.wqkv"`; an
+    unstacked model's blocks are stacked first (checkpoints hold the stacked layout)."""
+    if isinstance(model, RotaryDecoder):
+        model = model.stacked()
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         name = _path_name(path)

@@ -15,7 +15,7 @@ import safetensors
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from .._checks import check_int
 from ..model._config import _DTYPES, DecoderConfig
-from ..model._decoder import RotaryDecoder
+from ..model._decoder import RotaryDecoder, check_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import ARCHITECTURES, decoder_config
 from .._json import read_json
@@ -26,7 +26,9 @@ from ._table import from_hf as from_hf_arrays, hf_shapes
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
+def from_hf(
+    path: str | os.PathLike, *, dtype=None, max_len: int | None = None, layout: str = "stacked"
+) -> RotaryDecoder:
     """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
 
     Reads `config.json` and the weights (`model.safetensors`, or the shards listed in
@@ -46,6 +48,9 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
       [`eqrope.generate`][] and `init_cache` may allocate; `None` means the config's
       `max_position_embeddings`, which bounds it. [`eqrope.generate`][] sizes each call's
       cache to the call whatever it is.
+    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
+      layout generation decodes on, so a model held for inference is not sliced again
+      by every `generate` call; see [`eqrope.RotaryDecoder`][]).
 
     **Returns:** a decoder with `head_bias=False`, whose logits are those of the Hugging
     Face model. The query and key rows are permuted from rotate-half to interleaved pairing
@@ -81,6 +86,7 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
         )
     hf = read_json(config_file, "from_hf")
     max_len = check_int(max_len, "max_len", minimum=1, none=True)
+    check_layout(layout, "from_hf: layout")
     dtype_name = _model_dtype(
         dtype, f"from_hf: dtype={dtype!r}", "Pass one of them, or None for the checkpoint's."
     )
@@ -111,7 +117,7 @@ def from_hf(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) 
         raise AssertionError(
             "from_hf built arrays that do not fit the decoder: " + "; ".join(problems)
         )
-    return fill(expected, arrays)
+    return fill(expected, arrays).with_layout(layout)
 
 
 def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
