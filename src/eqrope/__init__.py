@@ -1,7 +1,7 @@
 """eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox.
 
 The public API is `eqrope.NAME`; the folders group it by concern: `model`, `generation`,
-`text`, `weights`, `training` and `sharding`.
+`text`, `weights`, `training`, `sharding` and `eval`.
 """
 
 from .eval import Scores as Scores, score as score
