@@ -26,13 +26,20 @@ def rebuild(arrays, structure):
     return eqx.combine(arrays, structure)
 
 
-def for_decoding(model):
+def for_decoding(model, cache=None):
     """`model` with one buffer per block (`model.unstacked()`, for a model that has the
-    two layouts, such as [`eqrope.RotaryDecoder`][]), called inside a compiled program.
+    two layouts, such as [`eqrope.RotaryDecoder`][]), and `cache` (if given) with
+    per-block buffers to match, called inside a compiled program after the prefill.
 
-    A stacked model's blocks are then sliced once per call, before the loop, instead of
-    XLA copying each block's slice before every matrix product of every step; a model
-    held unstacked (`from_hf(..., layout="unstacked")`) costs nothing here.
+    The prefill runs on the model as given: a stacked model's prefill is a scan over its
+    blocks, so the program's compile time stays flat in depth there. The decode loop
+    then runs on per-block weights and buffers: a stacked model's blocks are sliced once
+    per call, before the loop, instead of XLA copying each block's slice before every
+    matrix product of every step; a model held unstacked
+    (`from_hf(..., layout="unstacked")`) costs nothing here.
     """
     unstacked = getattr(type(model), "unstacked", None)
-    return model if unstacked is None else model.unstacked()
+    if unstacked is None:
+        return model if cache is None else (model, cache)
+    model = model.unstacked()
+    return model if cache is None else (model, cache.split_blocks())

@@ -86,7 +86,7 @@ def generate_cached(model, *args, **static):
     ),
 )
 def generate_program(arrays, *args, structure, **static):
-    return decode_program(for_decoding(rebuild(arrays, structure)), *args, **static)
+    return decode_program(rebuild(arrays, structure), *args, **static)
 
 
 def decode_program(
@@ -134,6 +134,8 @@ def decode_program(
     cache, logits, buffer, lengths, history = prepare(
         model, buffer, lengths, chunk, samples, mesh, rules
     )
+    model, cache = for_decoding(model, cache)
+    cache = constrain(cache, mesh, rules)
     listener = stream_id if stream else None
     step = functools.partial(
         decode_step, model, max_new, sampling, keys, listener, check_finite, mesh, rules

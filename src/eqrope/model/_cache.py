@@ -171,6 +171,23 @@ class KVCache(eqx.Module):
                 "(or an int8 cache with scales); build it with model.init_cache()."
             )
 
+    def split_blocks(self) -> "KVCache":
+        """The same rows in per-block buffers (a copy, under `jit` once); a per-block
+        cache is returned as it is."""
+        if self.per_block:
+            return self
+
+        def split(x, trailing: int):  # the blocks axis has `trailing` axes after it
+            if x is None:
+                return None
+            axis = x.ndim - trailing - 1
+            return tuple(jnp.take(x, i, axis=axis) for i in range(x.shape[axis]))
+
+        return dataclasses.replace(
+            self, keys=split(self.keys, 3), values=split(self.values, 3),
+            key_scales=split(self.key_scales, 2), value_scales=split(self.value_scales, 2),
+        )  # fmt: skip
+
     def write_block(
         self,
         index: int,

@@ -68,7 +68,7 @@ def speculate_cached(model, draft, *args, **static):
     static_argnames=("structure", "batched", "chunk", "samples", "stream", "check_finite", "draft_len", "rule"),
 )
 def speculative_program(arrays, *args, structure, **static):
-    model, draft = map(for_decoding, rebuild(arrays, structure))
+    model, draft = rebuild(arrays, structure)
     return speculative_decode(model, draft, *args, **static)
 
 
@@ -103,9 +103,10 @@ def speculative_decode(
     """
     keys = row_keys(key, buffer.shape[0], batched, samples)
     cache, _, prompts, ends, history = prepare(model, buffer, lengths, chunk, samples)
+    model, cache = for_decoding(model, cache)
     draft_cache = None
     if not isinstance(draft, PromptLookup):
-        draft_cache = prepare(draft, buffer, lengths, chunk, samples)[0]
+        draft, draft_cache = for_decoding(draft, prepare(draft, buffer, lengths, chunk, samples)[0])
     text = start_text(prompts, ends, history, max_new)
     rows = text.pos.shape[0]
     zeros = jnp.zeros((rows,), jnp.int32)
