@@ -78,22 +78,28 @@ def forward(w, s: Sizes, ids, pos, cache):
     return rms_norm(x, w["final_norm"], s.norm_eps) @ w["head"] + w["head_bias"], cache
 
 
-@functools.partial(jax.jit, static_argnames=("s", "max_new", "cache_len"))
-def floor_generate(w, prompt, *, s: Sizes, max_new: int, cache_len: int):
-    """Greedy: the prompt in one pass, then `max_new - 1` steps in a `lax.scan`."""
-    shape = (w["wqkv"].shape[0], s.n_kv_heads, cache_len, s.head_dim)
-    cache = [jnp.zeros(shape, w["embed"].dtype)] * 2
-    logits, cache = forward(w, s, prompt, 0, cache)
+def greedy(run, prompt, cache, max_new: int):
+    """The prompt through `run(ids, pos, cache) -> (logits, cache)` in one pass, then
+    `max_new - 1` greedy steps in a `lax.scan`; shared by both floors."""
+    logits, cache = run(prompt, 0, cache)
     first = jnp.argmax(logits[-1]).astype(prompt.dtype)
 
     def step(carry, _):
         token, pos, cache = carry
-        logits, cache = forward(w, s, token[None], pos, cache)
+        logits, cache = run(token[None], pos, cache)
         token = jnp.argmax(logits[0]).astype(prompt.dtype)
         return (token, pos + 1, cache), token
 
     _, rest = jax.lax.scan(step, (first, prompt.shape[0], cache), None, length=max_new - 1)
     return jnp.concatenate([prompt, first[None], rest])
+
+
+@functools.partial(jax.jit, static_argnames=("s", "max_new", "cache_len"))
+def floor_generate(w, prompt, *, s: Sizes, max_new: int, cache_len: int):
+    """Greedy: the prompt in one pass, then `max_new - 1` steps in a `lax.scan`."""
+    shape = (w["wqkv"].shape[0], s.n_kv_heads, cache_len, s.head_dim)
+    cache = [jnp.zeros(shape, w["embed"].dtype)] * 2
+    return greedy(lambda ids, pos, c: forward(w, s, ids, pos, c), prompt, cache, max_new)
 
 
 def unrolled_weights(w: dict) -> dict:
@@ -140,17 +146,7 @@ def floor_generate_unrolled(w, prompt, *, s: Sizes, max_new: int, cache_len: int
     """`floor_generate` on `unrolled_weights`: per-block weights and caches."""
     shape = (s.n_kv_heads, cache_len, s.head_dim)
     caches = [(jnp.zeros(shape, w["embed"].dtype), jnp.zeros(shape, w["embed"].dtype)) for _ in w["layers"]]
-    logits, caches = forward_unrolled(w, s, prompt, 0, caches)
-    first = jnp.argmax(logits[-1]).astype(prompt.dtype)
-
-    def step(carry, _):
-        token, pos, caches = carry
-        logits, caches = forward_unrolled(w, s, token[None], pos, caches)
-        token = jnp.argmax(logits[0]).astype(prompt.dtype)
-        return (token, pos + 1, caches), token
-
-    _, rest = jax.lax.scan(step, (first, prompt.shape[0], caches), None, length=max_new - 1)
-    return jnp.concatenate([prompt, first[None], rest])
+    return greedy(lambda ids, pos, c: forward_unrolled(w, s, ids, pos, c), prompt, caches, max_new)
 
 
 def default_cache_len(seq: int, max_new: int, model_max_len: int) -> int:
