@@ -61,8 +61,7 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     # s: the power of two with s <= max|x| < 2s, so |x/s| < 2 (s = 1 for max|x| <= 1,
     # where nothing can overflow). The result does not depend on s: no gradient through it.
     m = jax.lax.stop_gradient(jnp.max(jnp.abs(y)))
-    _, exponent = jnp.frexp(jnp.where(jnp.isfinite(m) & (m > 1), m, 1))
-    s = jnp.ldexp(jnp.ones((), dtype), exponent - 1)
+    s = _power_of_two_below(jnp.where(jnp.isfinite(m) & (m > 1), m, 1))
     y = y / s
     if isinstance(norm, eqx.nn.LayerNorm):
         y = y - jnp.mean(y)
@@ -72,3 +71,19 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     if getattr(norm, "bias", None) is not None:
         y = y + norm.bias.astype(dtype)
     return y.astype(x.dtype)
+
+
+# The exponent bits of an IEEE float32 and float64, as unsigned integers of their width.
+_EXPONENT_BITS = {
+    jnp.dtype(jnp.float32): (jnp.uint32, 0x7F800000),
+    jnp.dtype(jnp.float64): (jnp.uint64, 0x7FF0000000000000),
+}
+
+
+def _power_of_two_below(m: Float[Array, ""]) -> Float[Array, ""]:
+    """The power of two `s` with `s <= m < 2s`, for a finite normal `m > 0` in float32
+    or float64: `m` with its mantissa bits cleared, two operations where `frexp` and
+    `ldexp` lower to dozens (each norm is in every compiled program several times)."""
+    uint, mask = _EXPONENT_BITS[m.dtype]
+    bits = jax.lax.bitcast_convert_type(m, uint) & jnp.asarray(mask, uint)
+    return jax.lax.bitcast_convert_type(bits, m.dtype)
