@@ -8,6 +8,8 @@ model is rebuilt in its decoding layout (`for_decoding`).
 import equinox as eqx
 import jax
 
+from ..model._matmul import converted_in_step
+
 
 def split_model(model):
     """`(arrays, structure)` for a compiled program: when every leaf of `model` (any
@@ -37,9 +39,14 @@ def for_decoding(model, cache=None):
     per call, before the loop, instead of XLA copying each block's slice before every
     matrix product of every step; a model held unstacked
     (`from_hf(..., layout="unstacked")`) costs nothing here.
+
+    A stacked low-precision model on the CPU stays stacked: its steps convert each
+    block's weights to float32 inside the step anyway (`eqrope.model._matmul`), so the
+    slice costs nothing more there, and the per-block copies would add most of the
+    weights' bytes to the program's peak memory.
     """
     unstacked = getattr(type(model), "unstacked", None)
-    if unstacked is None:
+    if unstacked is None or any(map(converted_in_step, jax.tree.leaves(model))):
         return model if cache is None else (model, cache)
     model = model.unstacked()
     return model if cache is None else (model, cache.split_blocks())

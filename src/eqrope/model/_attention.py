@@ -9,6 +9,7 @@ from ._cache import BlockCache, KVCache
 from ._config import RopeScaling
 from ._init import uniform_weight
 from ._kernel import empty_state, finish, merge, merge_cache
+from ._matmul import matmul
 from ._norm import norm_heads
 from ._rope import apply_rope, rope_attention_factor, rope_inv_freq
 
@@ -92,7 +93,7 @@ class CausalSelfAttention(eqx.Module):
     ]:
         """Queries, keys and values of `x`; queries and keys rotated to `positions`."""
         seq = x.shape[0]
-        qkv = x @ self.wqkv
+        qkv = matmul(x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
@@ -148,7 +149,7 @@ class CausalSelfAttention(eqx.Module):
         if window is not None:
             causal = causal & (positions[None, :] > positions[:, None] - window)
         out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
-        out = out.reshape(seq, self.n_heads * self.head_dim) @ self.wo
+        out = matmul(out.reshape(seq, self.n_heads * self.head_dim), self.wo)
         if self.bo is not None:
             out = out + self.bo
         return out, k, v
@@ -178,7 +179,8 @@ class CausalSelfAttention(eqx.Module):
         cache = cache.write_block(index, k, v, positions[0])
         state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
         state = merge_cache(state, qg, cache.block(index, bound, low), positions, window, inclusive=True)
-        out = finish(state).astype(v.dtype).reshape(seq, self.n_heads * self.head_dim) @ self.wo
+        out = finish(state).astype(v.dtype).reshape(seq, self.n_heads * self.head_dim)
+        out = matmul(out, self.wo)
         if self.bo is not None:
             out = out + self.bo
         return out, cache

@@ -12,6 +12,7 @@ from ._cache import DEFAULT_CHUNK, KVCache, NewRows
 from .._checks import as_int_array, check_span, check_vocab, on_device
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
+from ._matmul import converted_in_step, matmul, matmul_rows
 from ._norm import make_norm, norm_rows
 
 
@@ -27,6 +28,16 @@ def check_layout(layout, name: str) -> str:
             f"(generation: one buffer per block), got {layout!r}."
         )
     return layout
+
+
+def _rows_of(table: Float[Array, "rows d_model"], index: Int[Array, " seq"]) -> Float[Array, "seq d_model"]:
+    """`table[index]`. XLA:CPU gathers a low-precision table in float32 and would convert
+    the whole table once, before any loop, and hold it (see `_matmul.py`); behind an
+    optimization barrier with `index` the conversion stays in the step, fused with the
+    gather, and converts only the rows taken."""
+    if converted_in_step(table):
+        _, table = jax.lax.optimization_barrier((index, table))
+    return table[index]
 
 
 class RotaryDecoder(eqx.Module):
@@ -184,9 +195,9 @@ class RotaryDecoder(eqx.Module):
         return self._logits(x), keys, values
 
     def _embed(self, ids, positions):
-        x = self.embed[ids]
+        x = _rows_of(self.embed, ids)
         if self.pos_embed is not None:
-            x = x + self.pos_embed[positions]
+            x = x + _rows_of(self.pos_embed, positions)
         return x
 
     def _logits(self, x):
@@ -194,9 +205,9 @@ class RotaryDecoder(eqx.Module):
         if self.head is None:
             # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
             # copy the transposed (vocab, d_model) table, on every step or held in memory.
-            logits = jax.lax.dot_general(x, self.embed, (((1,), (1,)), ((), ())))
+            logits = matmul_rows(x, self.embed)
         else:
-            logits = x @ self.head
+            logits = matmul(x, self.head)
         if self.head_bias is not None:
             logits = logits + self.head_bias
         return logits
@@ -212,8 +223,17 @@ class RotaryDecoder(eqx.Module):
         return self._logits(x), cache
 
     def _scanned(self, x, positions, cache, kv_bound, kv_low):
-        """The stacked blocks, one `jax.lax.scan` step each."""
+        """The stacked blocks, one `jax.lax.scan` step each.
+
+        With a cache (a prefill), low-precision arrays on the CPU are not the scan's
+        inputs: XLA:CPU would convert each whole stack to float32 before the loop in
+        order to slice it (see `_matmul.py`). Each step takes its block out of the stack
+        itself, behind an optimization barrier with its input, so the slice and its
+        conversion stay inside the step. Without a cache (training) the scan slices them,
+        and reverse mode stacks the blocks' gradients as its outputs.
+        """
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        in_step = cache is not None and any(map(converted_in_step, jax.tree.leaves(dynamic)))
 
         def run_block(block_arrays, x, past, window):
             return eqx.combine(block_arrays, static)(x, positions, past, window)
@@ -223,13 +243,18 @@ class RotaryDecoder(eqx.Module):
 
         def body(x, xs):
             block_arrays, index, window = xs
+            if in_step:
+                _, stack = jax.lax.optimization_barrier((x, dynamic))
+                take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+                block_arrays = jax.tree.map(take, stack)
             # The whole cache is closed over and each block reads its rows in place.
             past = None if cache is None else cache.block(index, kv_bound, kv_low)
             x, k, v = run_block(block_arrays, x, past, window)
             return x, (k, v)
 
         indices = jnp.arange(self.config.n_blocks, dtype=jnp.int32)
-        x, (keys, values) = jax.lax.scan(body, x, (dynamic, indices, self._windows()))
+        xs = (None if in_step else dynamic, indices, self._windows())
+        x, (keys, values) = jax.lax.scan(body, x, xs)
         return x, keys, values
 
     def _unrolled(self, x, positions, cache, kv_bound, kv_low):

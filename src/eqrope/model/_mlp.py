@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._init import uniform_weight
+from ._matmul import matmul
 
 
 class SwiGLU(eqx.Module):
@@ -34,11 +35,11 @@ class SwiGLU(eqx.Module):
         self.b_down = jnp.zeros((d_model,), dtype) if bias else None
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        h = x @ self.w_gate_up
+        h = matmul(x, self.w_gate_up)
         if self.b_gate_up is not None:
             h = h + self.b_gate_up
         gate, up = jnp.split(h, 2, axis=-1)
-        out = (jax.nn.silu(gate) * up) @ self.w_down
+        out = matmul(jax.nn.silu(gate) * up, self.w_down)
         if self.b_down is not None:
             out = out + self.b_down
         return out
@@ -60,10 +61,10 @@ class GeluMLP(eqx.Module):
         self.b_out = jnp.zeros((d_model,), dtype) if bias else None
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        h = x @ self.w_in
+        h = matmul(x, self.w_in)
         if self.b_in is not None:
             h = h + self.b_in
-        out = jax.nn.gelu(h, approximate=False) @ self.w_out
+        out = matmul(jax.nn.gelu(h, approximate=False), self.w_out)
         if self.b_out is not None:
             out = out + self.b_out
         return out

@@ -1,0 +1,97 @@
+"""Products with a weight matrix, and a low-precision weight on XLA:CPU.
+
+XLA:CPU has no bfloat16 (or float16) matrix product: it converts both operands to
+float32 first. The conversion of a weight depends on the weight alone, so XLA moves it
+out of every loop it sits in, the decode loop and the scan over blocks, and the program
+then holds a float32 copy of every weight for its whole run: twice the bytes of a
+bfloat16 model, on top of the model. A cast inside the step does not help: XLA moves it
+just the same, and its scheduler runs all the moved-back casts of a loop body first.
+
+`matmul` therefore ties the conversion of a low-precision weight to the product's input
+`x`, so that each weight is converted inside its own step, when its product is next,
+and only one float32 weight at a time is alive (see `in_step`). The product is computed as
+XLA:CPU computed it before (float32 operands and sums, the result rounded to the
+operands' dtype), though XLA may now round an intermediate it used to keep in float32;
+each step reads the low-precision weight and writes and reads its float32 copy, so it
+trades speed for memory. A float32 or float64 weight, an accelerator, and a weight that
+is not an array (a LoRA-wrapped weight, whose `__rmatmul__` is the product) all take
+plain `x @ w`, unchanged.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jaxtyping import Array, Float
+
+_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def converted_in_step(w) -> bool:
+    """Whether `matmul` converts `w` inside the step: a bfloat16 or float16 array, on
+    the CPU."""
+    return isinstance(w, jax.Array) and w.dtype in _LOW and jax.default_backend() == "cpu"
+
+
+def matmul(x: Float[Array, "seq d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "seq d_out"]:
+    """`x @ w`; a low-precision weight on the CPU is converted inside the step (module
+    docstring)."""
+    if not converted_in_step(w):
+        return x @ w
+    out = x.astype(jnp.float32) @ in_step(x, w)
+    return out.astype(jnp.result_type(x.dtype, w.dtype))
+
+
+def matmul_rows(x: Float[Array, "seq d_in"], w: Float[Array, "d_out d_in"]) -> Float[Array, "seq d_out"]:
+    """`x @ w.T`, contracting with the rows of `w` as they lie (no transposed copy, as
+    for a tied embedding); converted as in `matmul`."""
+    dims = (((1,), (1,)), ((), ()))
+    if not converted_in_step(w):
+        return jax.lax.dot_general(x, w, dims)
+    out = jax.lax.dot_general(x.astype(jnp.float32), in_step(x, w), dims)
+    return out.astype(jnp.result_type(x.dtype, w.dtype))
+
+
+@jax.custom_jvp
+def in_step(x: Float[Array, "*x"], w: Float[Array, "*w"]) -> Float[Array, "*w"]:
+    """`w` in float32, converted after `x` exists, inside any loop that computes `x`.
+
+    Two ties, because XLA honours each for one purpose only: an optimization barrier
+    that holds `w` with `x` keeps the conversion inside the loop (loop-invariant code
+    motion does not see through it; the barrier is gone by the time the program is
+    scheduled), and a select on a value of `x` that is always true, including for a
+    NaN (`not (v > inf)`), orders it after `x`. The select is made on the float32 side,
+    fused with the conversion: one pass that reads `w` and writes its float32 copy.
+
+    Under `jax.vmap` over `x` alone the predicate comes from the first row, so `w` is
+    not batched (`_in_step_vmap`). The derivative is that of `w.astype(float32)`; `x`
+    only orders the computation.
+    """
+    return _tied(x, w)
+
+
+@in_step.defjvp
+def _in_step_jvp(primals, tangents):
+    x, w = primals
+    _, w_dot = tangents
+    return in_step(x, w), w_dot.astype(jnp.float32)
+
+
+@custom_vmap
+def _tied(x, w):
+    return _convert_after(x, w)
+
+
+@_tied.def_vmap
+def _in_step_vmap(axis_size, in_batched, x, w):
+    x_batched, w_batched = in_batched
+    if x_batched:
+        x = x[0]
+    if w_batched:
+        return jax.vmap(_convert_after, in_axes=(None, 0))(x, w), True
+    return _tied(x, w), False
+
+
+def _convert_after(x, w):
+    keep = ~(x.reshape(-1)[0].astype(jnp.float32) > jnp.inf)
+    _, w = jax.lax.optimization_barrier((x, w))
+    return jnp.where(keep, w.astype(jnp.float32), jnp.float32(0))
