@@ -35,9 +35,26 @@ from .sharding import (
 )
 from .text import Tokenizer as Tokenizer, generate_text as generate_text
 from .training import (
+    LoraWeight as LoraWeight,
+    LowRank as LowRank,
+    adapter_axes as adapter_axes,
+    adapter_shardings as adapter_shardings,
+    base_model as base_model,
     cross_entropy as cross_entropy,
+    from_peft as from_peft,
+    init_adapter_optimizer as init_adapter_optimizer,
     init_optimizer as init_optimizer,
+    load_adapter as load_adapter,
+    lora as lora,
+    make_adapter_train_step as make_adapter_train_step,
     make_train_step as make_train_step,
+    merge as merge,
+    save_adapter as save_adapter,
+    select_adapters as select_adapters,
+    stack_adapters as stack_adapters,
+    take_adapter as take_adapter,
+    to_peft as to_peft,
+    unmerge as unmerge,
 )
 from .weights import (
     from_hf as from_hf,

@@ -18,6 +18,7 @@ is not an array (a LoRA-wrapped weight, whose `__rmatmul__` is the product) all 
 plain `x @ w`, unchanged.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
@@ -32,7 +33,9 @@ def converted_in_step(w) -> bool:
     return isinstance(w, jax.Array) and w.dtype in _LOW and jax.default_backend() == "cpu"
 
 
-def matmul(x: Float[Array, "seq d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "seq d_out"]:
+def matmul(
+    x: Float[Array, "seq d_in"], w: Float[Array, "d_in d_out"] | eqx.Module
+) -> Float[Array, "seq d_out"]:
     """`x @ w`; a low-precision weight on the CPU is converted inside the step (module
     docstring)."""
     if not converted_in_step(w):

@@ -207,9 +207,13 @@ def _map_decoder(model: RotaryDecoder, fn, prefix: str):
             path = path[:1] + path[2:]
         name = ".".join(str(getattr(entry, "name", entry)) for entry in path)
         if name not in BY_PATH:
+            adapted = any(name.startswith(row + ".") for row in BY_PATH)
             raise TypeError(
-                f"eqrope.shard has no logical axes for {where}; add a row for {name!r} to "
-                "eqrope.weights._table.WEIGHTS."
+                f"eqrope.shard has no logical axes for {where}: an adapter's array "
+                "(eqrope.lora); place an adapted model with eqrope.adapter_shardings."
+                if adapted
+                else f"eqrope.shard has no logical axes for {where}; add a row for "
+                f"{name!r} to eqrope.weights._table.WEIGHTS."
             )
         axes = BY_PATH[name].axes
         return fn(x, axes[1:] if unstacked else axes, counts, where)

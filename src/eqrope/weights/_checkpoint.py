@@ -162,8 +162,17 @@ def named_arrays(model: RotaryDecoder) -> dict[str, jax.Array | jax.ShapeDtypeSt
     if isinstance(model, RotaryDecoder):
         model = model.stacked()
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+    # A module standing where a weight array stands (an adapter's `LoraWeight`, whose
+    # `x @ W` is its own) is a leaf here, so that it is refused by name.
+    wrapped = lambda x: isinstance(x, eqx.Module) and hasattr(type(x), "__rmatmul__")  # noqa: E731
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=wrapped)[0]:
         name = _path_name(path)
+        if wrapped(leaf):
+            raise TypeError(
+                f"model field {name!r} holds a {type(leaf).__name__} (an adapted weight), "
+                "not an array; merge the adapters into the weights first "
+                "(eqrope.merge(model)), or save the adapters alone (eqrope.save_adapter)."
+            )
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
             raise TypeError(
                 f"model field {name!r} holds a {type(leaf).__name__}, not an array; "
