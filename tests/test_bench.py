@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from _bench import BENCH, ROOT, load
+from _bench import BENCH, ROOT, SMOKE_ENV, load
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def run(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=300,
+        env=SMOKE_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((out / "kv_cache_cpu.json").read_text())

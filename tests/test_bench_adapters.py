@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from _bench import BENCH, ROOT
+from _bench import BENCH, ROOT, SMOKE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapters")
     proc = subprocess.run(
         [sys.executable, str(BENCH / "adapters.py"), "--tiny", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=SMOKE_ENV,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "targets:" in proc.stdout

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from _bench import BENCH, ROOT
+from _bench import BENCH, ROOT, SMOKE_ENV
 
 
 pytest.importorskip("lm_eval")
@@ -40,6 +40,7 @@ def run(tmp_path_factory):
         text=True,
         timeout=900,
         check=False,
+        env=SMOKE_ENV,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "eval_cpu.json").read_text()), proc.stdout

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import eqrope
-from _bench import BENCH, ROOT, load
+from _bench import BENCH, ROOT, SMOKE_ENV, load
 
 
 task = load("_speculative_task")
@@ -153,7 +153,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("speculative")
     command = [sys.executable, str(BENCH / "speculative.py"), "--quick", "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False)
+                          check=False, env=SMOKE_ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "speculative_cpu.json").read_text()), proc.stdout
 
