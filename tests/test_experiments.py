@@ -252,3 +252,21 @@ def test_extrapolation_script_and_reload(tmp_path):
     reloaded = json.loads((tmp_path / "reloaded" / "extrapolation.json").read_text())
     assert reloaded["settings"]["loaded"] is True
     assert reloaded["results"] == [r for r in results if r["finetune"]]
+
+
+@pytest.mark.experiment
+def test_grpo_script_and_reload(tmp_path):
+    # One seed, a budget of a few steps per arm, 4 strings per length; then --load.
+    out = tmp_path / "out"
+    run_script("grpo.py", "--seeds", "0", "--lengths", "8-13", "--n-per-length", "4",
+               "--budget", "10000", "--batch", "4", "--group", "4", "--out", str(out))
+    record = json.loads((out / "grpo.json").read_text())
+    run = record["runs"]["0"]
+    assert run["grpo"]["tokens"] <= 10_000 and run["sft"]["tokens"] <= 10_000
+    curve = run["grpo"]["info"]["curve"]
+    assert curve and all(c["ratio_error"] == 0.0 and 0 <= c["reward_mean"] <= 1 for c in curve)
+    assert set(run["before"]["counts"]) == {str(n) for n in range(8, 14)}
+    assert (out / "grpo.png").stat().st_size > 10_000
+    table = (out / "grpo.md").read_text()
+    run_script("grpo.py", "--load", "--out", str(out))
+    assert (out / "grpo.md").read_text() == table

@@ -26,3 +26,14 @@ from ._lora_step import (
     make_adapter_train_step as make_adapter_train_step,
 )
 from ._lora_shard import adapter_shardings as adapter_shardings
+from ._grpo import (
+    group_advantages as group_advantages,
+    grpo_objective as grpo_objective,
+    rollout_logprobs as rollout_logprobs,
+)
+from ._grpo_step import (
+    GRPOStep as GRPOStep,
+    HostReward as HostReward,
+    Rollout as Rollout,
+    make_grpo_step as make_grpo_step,
+)
