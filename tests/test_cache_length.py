@@ -5,6 +5,7 @@ loop over, 131072 cache rows to add 10 tokens to a prompt of 8. The checks are s
 (the rows the program asks for, the steps it runs, the compiles it triggers), never timed.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,8 +111,9 @@ def test_shorter_cache_protocol_equals_the_full_forward():
     assert cache.keys.shape[-2] == 24 and eqrope.cache_nbytes(cache) * 256 == eqrope.cache_nbytes(model) * 24
     logits, cache = model.prefill(ids[:12], cache)
     np.testing.assert_allclose(logits, full[:12], atol=1e-5)
+    step = eqx.filter_jit(lambda m, token, c, t: m.step(token, c, t))  # compiled once
     for t in range(12, 20):
-        logits, cache = model.step(ids[t], cache, t)
+        logits, cache = step(model, ids[t], cache, jnp.int32(t))
         np.testing.assert_allclose(logits, full[t], atol=1e-5)
     with pytest.raises(ValueError, match=r"pos \+ sequence length must be within max_len=24"):
         model.prefill(ids[:8], cache, 20)

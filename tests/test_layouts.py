@@ -52,20 +52,27 @@ def test_round_trip_is_bitwise_and_layouts_are_named():
     assert eqrope.count_params(unstacked) == eqrope.count_params(model)
 
 
+# Compiled (one program per model and cache structure; the position is traced), so the
+# eight steps of a case compile once instead of dispatching every operation.
+forward = eqx.filter_jit(lambda m, ids: m(ids))
+prefill = eqx.filter_jit(lambda m, ids, cache: m.prefill(ids, cache, 0))
+step_at = eqx.filter_jit(lambda m, token, cache, t: m.step(token, cache, t))
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_logits_prefill_and_step_equal(name):
     model = build(name)
     unstacked = model.unstacked()
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 48, 20), jnp.int32)
-    assert_close(unstacked(ids), model(ids))
+    assert_close(forward(unstacked, ids), forward(model, ids))
     for dtype in (None, "int8"):
         caches = [m.init_cache(max_len=32, dtype=dtype) for m in (model, unstacked)]
         outs = []
         for m, cache in zip((model, unstacked), caches):
-            logits, cache = m.prefill(ids[:12], cache, 0)
+            logits, cache = prefill(m, ids[:12], cache)
             steps = []
             for t in range(12, 20):
-                step, cache = m.step(ids[t], cache, t)
+                step, cache = step_at(m, ids[t], cache, jnp.int32(t))
                 steps.append(step)
             outs.append((logits, jnp.stack(steps), cache))
         assert_close(outs[1][0], outs[0][0])
