@@ -1,7 +1,17 @@
 import gc
+import os
 
 import jax
 import pytest
+
+
+# The suite compiles far more than it runs: XLA:CPU's cheapest code generation (LLVM
+# without its optimisation passes) compiles about a quarter faster, and nothing here
+# asserts a timing. Read when JAX starts its CPU backend, after this file is imported;
+# the scripts the tests run in subprocesses inherit it.
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(None, (os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"))
+)
 
 
 @pytest.fixture(params=["x32", "x64"])
