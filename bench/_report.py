@@ -1,4 +1,5 @@
-"""bench/kv_cache.py's report: the targets, the printed table and the two figures.
+"""The benches' reports: bench/kv_cache.py's targets, printed table and two figures, and the
+timing rows bench/adapters.py and bench/rl.py print (`timing_head`, `timing_row`).
 
 Targets are reported (target, measured, met), never asserted.
 """
@@ -52,6 +53,18 @@ def targets(result: dict) -> list[dict]:
 
 def fmt(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def timing_head(width: int) -> str:
+    """The header of `timing_row`s whose names are `width` wide."""
+    return f"  {'':<{width}}{'median s':>10}{'min-max s':>17}{'first s':>10}{'compile s':>10}"
+
+
+def timing_row(name: str, r: dict, width: int) -> str:
+    """One `time_call` record: median, min-max, first call and its compile seconds."""
+    c = r["first_compile"]["compile_s"]
+    return (f"  {name:<{width}}{r['median_s']:>10.4f}{r['min_s']:>10.4f}-{r['max_s']:.4f}"
+            f"{r['first_s']:>10.2f}{c:>10.2f}")
 
 
 def table(result: dict) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 import eqrope
-from _report import fmt, target
+from _report import fmt, target, timing_head, timing_row
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
@@ -144,12 +144,8 @@ def targets(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    def row(name, r):
-        c = r["first_compile"]["compile_s"]
-        return (f"  {name:<22}{r['median_s']:>10.4f}{r['min_s']:>10.4f}-{r['max_s']:.4f}"
-                f"{r['first_s']:>10.2f}{c:>10.2f}")
-
-    head = f"  {'':<22}{'median s':>10}{'min-max s':>17}{'first s':>10}{'compile s':>10}"
+    row = lambda name, r: timing_row(name, r, 22)  # noqa: E731
+    head = timing_head(22)
     t, g, m = result["train"], result["generate"], result["many"]
     lines = [f"eqrope adapters benchmark ({result['mode']}), {result['machine']['cpu_model']}, "
              f"{result['machine']['cpu_count']} CPUs, jax {result['machine']['jax']}",

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 import eqrope
-from _report import fmt, target
+from _report import fmt, target, timing_head, timing_row
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
@@ -228,12 +228,8 @@ def targets(result: dict) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    def row(name, r):
-        c = r["first_compile"]["compile_s"]
-        return (f"  {name:<20}{r['median_s']:>10.4f}{r['min_s']:>10.4f}-{r['max_s']:.4f}"
-                f"{r['first_s']:>10.2f}{c:>10.2f}")
-
-    head = f"  {'':<20}{'median s':>10}{'min-max s':>17}{'first s':>10}{'compile s':>10}"
+    row = lambda name, r: timing_row(name, r, 20)  # noqa: E731
+    head = timing_head(20)
     m, r, u = result["machine"], result["rollout"], result["update"]
     rs = r["sizes"]
     lines = [f"eqrope GRPO benchmark ({result['mode']}), {m['cpu_model']}, {m['cpu_count']} CPUs, "
