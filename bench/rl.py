@@ -175,7 +175,7 @@ def update(model, cfg) -> dict:
     forward = None
     if cfg.get("forwards"):
         # Where an update's time goes: the forwards alone (no gradient), each its own program.
-        from eqrope.training._grpo import rollout_logprobs
+        from eqrope.rl._objective import rollout_logprobs
 
         fwd = {
             "logits": eqx.filter_jit(lambda m, x: jax.vmap(m)(x)),

@@ -57,7 +57,7 @@ def test_merged_equals_unmerged():
     for layout in ("stacked", "unstacked"):
         model = adapted(model=base().with_layout(layout))
         merged = eqrope.merge(model)
-        assert isinstance(merged, eqrope.RotaryDecoder) and not eqrope.training._lora.lora_weights(merged)
+        assert isinstance(merged, eqrope.RotaryDecoder) and not eqrope.adapters._weight.lora_weights(merged)
         assert merged.layout == layout
         got, want = np.asarray(call(model, x)), np.asarray(call(merged, x))
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
@@ -93,7 +93,7 @@ def test_training_only_the_adapters_lowers_the_loss_and_freezes_the_base():
     opt = optax.adam(3e-2)
     state = eqrope.init_adapter_optimizer(opt, model)
     # The optimizer state holds the adapters alone: adam's two moments of each A and B.
-    adapter_size = sum(p.a.size + p.b.size for w in eqrope.training._lora.lora_weights(model) for p in w.parts if p)
+    adapter_size = sum(p.a.size + p.b.size for w in eqrope.adapters._weight.lora_weights(model) for p in w.parts if p)
     assert sum(x.size for x in jax.tree.leaves(state)) == 2 * adapter_size + 1
     step = eqrope.make_adapter_train_step(opt)
     x, y = _task()
@@ -115,7 +115,7 @@ def test_gradients_equal_finite_differences():
     with jax.enable_x64(True):
         model = adapted(model=base(dtype="float64"), targets=("q", "v", "down"))
         x, y = _task(seq=9)
-        adapters, rest = eqrope.training._lora.split_adapters(model)
+        adapters, rest = eqrope.adapters._lora.split_adapters(model)
 
         def loss(ad):  # in float64 throughout (eqrope.cross_entropy sums in float32)
             logits = jax.vmap(eqx.combine(ad, rest))(x)
@@ -157,7 +157,7 @@ def test_remat_and_x64_steps_match():
     a, _, la = step(model, eqrope.init_adapter_optimizer(opt, model), x, y)
     b, _, lb = step(remat, eqrope.init_adapter_optimizer(opt, remat), x, y)
     np.testing.assert_allclose(la, lb, rtol=1e-6)
-    for u, v in zip(jax.tree.leaves(eqrope.training._lora.split_adapters(a)[0]), jax.tree.leaves(eqrope.training._lora.split_adapters(b)[0])):
+    for u, v in zip(jax.tree.leaves(eqrope.adapters._lora.split_adapters(a)[0]), jax.tree.leaves(eqrope.adapters._lora.split_adapters(b)[0])):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
     with jax.enable_x64(True):
         wide = adapted(model=base(dtype="float64"), targets=("q", "up"))

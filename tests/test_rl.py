@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import eqrope
-from eqrope.training._grpo import logprobs_from_logits
+from eqrope.rl._objective import logprobs_from_logits
 
 
 VOCAB, TARGET, EOS = 16, 3, 15

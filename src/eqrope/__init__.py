@@ -1,7 +1,7 @@
 """eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox.
 
 The public API is `eqrope.NAME`; the folders group it by concern: `model`, `generation`,
-`text`, `weights`, `training`, `sharding` and `eval`.
+`text`, `weights`, `training`, `adapters`, `rl`, `sharding` and `eval`.
 """
 
 from .eval import Scores as Scores, score as score
@@ -26,6 +26,34 @@ from .model import (
     count_params as count_params,
     rope_inv_freq as rope_inv_freq,
 )
+from .adapters import (
+    LoraWeight as LoraWeight,
+    LowRank as LowRank,
+    adapter_axes as adapter_axes,
+    adapter_shardings as adapter_shardings,
+    base_model as base_model,
+    from_peft as from_peft,
+    init_adapter_optimizer as init_adapter_optimizer,
+    load_adapter as load_adapter,
+    lora as lora,
+    make_adapter_train_step as make_adapter_train_step,
+    merge as merge,
+    save_adapter as save_adapter,
+    select_adapters as select_adapters,
+    stack_adapters as stack_adapters,
+    take_adapter as take_adapter,
+    to_peft as to_peft,
+    unmerge as unmerge,
+)
+from .rl import (
+    GRPOStep as GRPOStep,
+    HostReward as HostReward,
+    Rollout as Rollout,
+    group_advantages as group_advantages,
+    grpo_objective as grpo_objective,
+    make_grpo_step as make_grpo_step,
+    rollout_logprobs as rollout_logprobs,
+)
 from .sharding import (
     ShardingRules as ShardingRules,
     make_mesh as make_mesh,
@@ -35,33 +63,9 @@ from .sharding import (
 )
 from .text import Tokenizer as Tokenizer, generate_text as generate_text
 from .training import (
-    GRPOStep as GRPOStep,
-    HostReward as HostReward,
-    LoraWeight as LoraWeight,
-    LowRank as LowRank,
-    Rollout as Rollout,
-    adapter_axes as adapter_axes,
-    adapter_shardings as adapter_shardings,
-    base_model as base_model,
     cross_entropy as cross_entropy,
-    from_peft as from_peft,
-    group_advantages as group_advantages,
-    grpo_objective as grpo_objective,
-    init_adapter_optimizer as init_adapter_optimizer,
     init_optimizer as init_optimizer,
-    load_adapter as load_adapter,
-    lora as lora,
-    make_adapter_train_step as make_adapter_train_step,
-    make_grpo_step as make_grpo_step,
     make_train_step as make_train_step,
-    merge as merge,
-    rollout_logprobs as rollout_logprobs,
-    save_adapter as save_adapter,
-    select_adapters as select_adapters,
-    stack_adapters as stack_adapters,
-    take_adapter as take_adapter,
-    to_peft as to_peft,
-    unmerge as unmerge,
 )
 from .weights import (
     from_hf as from_hf,

@@ -1,7 +1,8 @@
 """The static-shape key/value cache: its layout, writing, checking, quantizing and reading.
 
-Everything a reader needs to know about the cache is here. Attention sees one block's
-rows through a `BlockCache` view (from `KVCache.block`) and nothing else.
+Everything a reader needs to know about the cache is here, but for the read: attention
+sees one block's rows through a `BlockCache` view (`_block_cache.py`, from `KVCache.block`)
+and nothing else.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
 from .._checks import check_int, is_concrete
+from ._block_cache import BlockCache, _first
 from ._config import DecoderConfig
 
 
@@ -291,57 +293,6 @@ class KVCache(eqx.Module):
         )
 
 
-class BlockCache(eqx.Module):
-    """One block's cached rows, read in place, in chunks of `chunk` rows from `low`'s
-    window up to `bound`.
-
-    It holds the whole stacked cache and the block index (or, for a per-block cache, the
-    block's own buffers and no index), and slices only the rows asked for. Slicing the block out first (as a `scan` over the blocks axis would) makes XLA
-    copy the block's whole `max_len` rows at every step.
-    """
-
-    keys: Float[Array, "*blocks kv_heads max_len head_dim"] | Int8[Array, "*blocks kv_heads max_len head_dim"]
-    values: Float[Array, "*blocks kv_heads max_len head_dim"] | Int8[Array, "*blocks kv_heads max_len head_dim"]
-    key_scales: Float[Array, "*blocks kv_heads max_len"] | None
-    value_scales: Float[Array, "*blocks kv_heads max_len"] | None
-    index: Int[Array, ""] | None
-    bound: Int[Array, ""] | None
-    low: Int[Array, ""] | None
-    chunk: int = eqx.field(static=True)
-
-    @property
-    def per_block(self) -> bool:
-        """Whether each block has its own buffers (tuples of arrays)."""
-        return isinstance(self.keys, tuple)
-
-    @property
-    def max_len(self) -> int:
-        return _first(self.keys).shape[-2]
-
-    def rows(
-        self, start: Int[Array, ""] | int, size: int
-    ) -> tuple[Float[Array, "kv_heads size head_dim"], Float[Array, "kv_heads size head_dim"]]:
-        """Keys and values of rows `start .. start + size - 1` (`start + size <= max_len`),
-        dequantised to float32 for an int8 cache."""
-        kv_heads, _, head_dim = self.keys.shape[-3:]
-        zero = jnp.zeros((), jnp.int32)
-        start = jnp.asarray(start, jnp.int32)
-
-        def take(x, scales):
-            if self.index is None:  # a per-block buffer, read in place
-                x = jax.lax.dynamic_slice(x, (zero, start, zero), (kv_heads, size, head_dim))
-                s = None if scales is None else jax.lax.dynamic_slice(scales, (zero, start), (kv_heads, size))
-            else:
-                block = jnp.asarray(self.index, jnp.int32)
-                x = jax.lax.dynamic_slice(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
-                s = None if scales is None else jax.lax.dynamic_slice(scales, (block, zero, start), (1, kv_heads, size))[0]
-            if s is None:
-                return x
-            return x.astype(jnp.float32) * s[..., None]
-
-        return take(self.keys, self.key_scales), take(self.values, self.value_scales)
-
-
 def quantize_rows(
     rows: Float[Array, "*shape head_dim"],
 ) -> tuple[Int8[Array, "*shape head_dim"], Float[Array, "*shape"]]:
@@ -351,11 +302,6 @@ def quantize_rows(
     scale = jnp.where(scale > 0, scale, 1.0)
     q = jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8)
     return q, scale
-
-
-def _first(x):
-    """A per-block field's first block, or the stacked array itself."""
-    return x[0] if isinstance(x, tuple) else x
 
 
 def _shape(config: DecoderConfig, rows: int) -> tuple[int, int, int, int]:

@@ -12,24 +12,12 @@ from ._cache import DEFAULT_CHUNK, KVCache, NewRows
 from .._checks import as_int_array, check_span, check_vocab, on_device
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
+from ._layouts import check_layout, decode_in_place, scan_blocks, unroll_blocks
 from ._matmul import converted_in_step, matmul, matmul_rows
 from ._norm import make_norm, norm_rows
 
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in SIZES)
-LAYOUTS = ("stacked", "unstacked")
-
-
-def check_layout(layout, name: str) -> str:
-    """`layout` if it is one of `LAYOUTS`; otherwise a `ValueError` naming `name`."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(
-            f"{name} must be 'stacked' (training: a scan over blocks) or 'unstacked' "
-            f"(generation: one buffer per block), got {layout!r}."
-        )
-    return layout
-
-
 def _rows_of(table: Float[Array, "rows d_model"], index: Int[Array, " seq"]) -> Float[Array, "seq d_model"]:
     """`table[index]`. XLA:CPU gathers a low-precision table in float32 and would convert
     the whole table once, before any loop, and hold it (see `_matmul.py`); behind an
@@ -188,10 +176,8 @@ class RotaryDecoder(eqx.Module):
         want `__call__`, `prefill` or `step`, which check their inputs.
         """
         x = self._embed(ids, positions)
-        if isinstance(self.blocks, tuple):
-            x, keys, values = self._unrolled(x, positions, cache, kv_bound, kv_low)
-        else:
-            x, keys, values = self._scanned(x, positions, cache, kv_bound, kv_low)
+        run = unroll_blocks if isinstance(self.blocks, tuple) else scan_blocks
+        x, keys, values = run(self.blocks, self.config, x, positions, cache, kv_bound, kv_low)
         return self._logits(x), keys, values
 
     def _embed(self, ids, positions):
@@ -211,80 +197,6 @@ class RotaryDecoder(eqx.Module):
         if self.head_bias is not None:
             logits = logits + self.head_bias
         return logits
-
-    def _in_place(self, ids, positions, cache: KVCache, kv_bound, kv_low):
-        """The unstacked blocks against a per-block float cache: each block writes its
-        new rows into its own buffers, then attends to them in one pass
-        ([`eqrope.DecoderBlock.decode`][]). **Returns:** `(logits, cache)`."""
-        x, windows = self._embed(ids, positions), self._windows()
-        for index, block in enumerate(self.blocks):
-            window = None if windows is None else windows[index]
-            x, cache = block.decode(x, positions, cache, index, window, kv_bound, kv_low)
-        return self._logits(x), cache
-
-    def _scanned(self, x, positions, cache, kv_bound, kv_low):
-        """The stacked blocks, one `jax.lax.scan` step each.
-
-        With a cache (a prefill), low-precision arrays on the CPU are not the scan's
-        inputs: XLA:CPU would convert each whole stack to float32 before the loop in
-        order to slice it (see `_matmul.py`). Each step takes its block out of the stack
-        itself, behind an optimization barrier with its input, so the slice and its
-        conversion stay inside the step. Without a cache (training) the scan slices them,
-        and reverse mode stacks the blocks' gradients as its outputs.
-        """
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        in_step = cache is not None and any(map(converted_in_step, jax.tree.leaves(dynamic)))
-
-        def run_block(block_arrays, x, past, window):
-            return eqx.combine(block_arrays, static)(x, positions, past, window)
-
-        if self.config.remat:
-            run_block = eqx.filter_checkpoint(run_block)
-
-        def body(x, xs):
-            block_arrays, index, window = xs
-            if in_step:
-                _, stack = jax.lax.optimization_barrier((x, dynamic))
-                take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
-                block_arrays = jax.tree.map(take, stack)
-            # The whole cache is closed over and each block reads its rows in place.
-            past = None if cache is None else cache.block(index, kv_bound, kv_low)
-            x, k, v = run_block(block_arrays, x, past, window)
-            return x, (k, v)
-
-        indices = jnp.arange(self.config.n_blocks, dtype=jnp.int32)
-        xs = (None if in_step else dynamic, indices, self._windows())
-        x, (keys, values) = jax.lax.scan(body, x, xs)
-        return x, keys, values
-
-    def _unrolled(self, x, positions, cache, kv_bound, kv_low):
-        """The unstacked blocks, by a Python `for`: each reads its own arrays in place."""
-        windows = self._windows()
-        run = lambda block, x, past, window: block(x, positions, past, window)
-        if self.config.remat:
-            run = eqx.filter_checkpoint(run)
-        keys, values = [], []
-        for index, block in enumerate(self.blocks):
-            past = None
-            if cache is not None:  # a per-block cache is indexed by the Python int
-                where = index if cache.per_block else jnp.asarray(index, jnp.int32)
-                past = cache.block(where, kv_bound, kv_low)
-            x, k, v = run(block, x, past, None if windows is None else windows[index])
-            keys.append(k)
-            values.append(v)
-        return x, jnp.stack(keys), jnp.stack(values)
-
-    def _windows(self) -> Int[Array, " blocks"] | None:
-        """Each block's sliding window (a block without one sees every position: the
-        window is then past any position), or `None` when no block has one."""
-        attention, n_blocks = self.config.attention, self.config.n_blocks
-        if attention.window is None:
-            return None
-        everything = jnp.iinfo(jnp.int32).max // 2
-        return jnp.asarray(
-            [attention.window if w else everything for w in attention.windowed(n_blocks)],
-            jnp.int32,
-        )
 
     # -- the cache protocol --------------------------------------------------------------
 
@@ -368,8 +280,9 @@ class RotaryDecoder(eqx.Module):
             pos = jnp.asarray(pos).astype(jnp.int32)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
         if cache.per_block and not cache.quantized:
-            logits, cache = self._in_place(ids, positions, cache, kv_bound, kv_low)
-            return logits, cache.advance(pos, ids.shape[0])
+            x = self._embed(ids, positions)
+            x, cache = decode_in_place(self.blocks, self.config, x, positions, cache, kv_bound, kv_low)
+            return self._logits(x), cache.advance(pos, ids.shape[0])
         logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low)
         return logits, cache.write(keys, values, pos)
 

@@ -24,7 +24,7 @@ from jaxtyping import Int32
 
 from .._checks import check_bool
 from .._json import checked, read_json
-from ..generation._generation_config import eos_ids_of
+from ..generation._hf_generation_config import eos_ids_of
 
 
 # The named special tokens of tokenizer_config.json that chat templates see as variables

@@ -14,7 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from ..model._decoder import RotaryDecoder
 from ..sharding._rules import ShardingRules, _spec, shardings
 from ..weights._table import BY_PATH, axis_counts
-from ._lora import LoraWeight, is_lora, lora_weights
+from ._weight import LoraWeight, is_lora, lora_weights
 
 
 def adapter_shardings(tree, mesh: Mesh | AbstractMesh, rules: ShardingRules | None = None):

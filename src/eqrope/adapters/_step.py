@@ -13,8 +13,9 @@ import jax
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._loss import cross_entropy
-from ._lora import check_adapted, is_lora, lora_weights, split_adapters
+from ..training._loss import cross_entropy
+from ._lora import check_adapted, split_adapters
+from ._weight import is_lora, lora_weights
 
 
 def init_adapter_optimizer(optimizer: optax.GradientTransformation, model) -> PyTree:

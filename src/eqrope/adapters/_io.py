@@ -11,7 +11,7 @@ An adapter directory holds two files:
 
 They are written atomically (a new directory beside the target, renamed into place), and
 [`eqrope.load_adapter`][] refuses an adapter whose base config differs from the model's,
-naming the fields. The file names differ from PEFT's, which `_lora_peft.py` reads and
+naming the fields. The file names differ from PEFT's, which `_peft.py` reads and
 writes.
 """
 
@@ -30,7 +30,9 @@ from .._json import read_json
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder
 from ..weights._checkpoint import _config_digest, _digest, _write_directory, check_writable
-from ._lora import check_adapted, check_base, get_path, lora, lora_weights
+from ._lora import check_adapted, check_base, lora
+from ._targets import get_path
+from ._weight import lora_weights
 
 
 FORMAT = "eqrope-adapter"

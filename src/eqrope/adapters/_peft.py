@@ -28,8 +28,9 @@ from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder
 from ..weights._checkpoint import _write_directory, check_writable
 from ..weights._hf import pairing_permutation
-from ._lora import ALL_TARGETS, TARGETS, check_base
-from ._lora_io import adapter_arrays, adapter_settings, compare_arrays, expected_arrays, with_adapter_arrays
+from ._lora import check_base
+from ._targets import ALL_TARGETS, TARGETS
+from ._io import adapter_arrays, adapter_settings, compare_arrays, expected_arrays, with_adapter_arrays
 
 
 CONFIG_FILE = "adapter_config.json"

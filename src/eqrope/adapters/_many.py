@@ -7,7 +7,7 @@
 - [`eqrope.select_adapters`][] assigns one of the k adapters to each row of a batch; the
   result goes to [`eqrope.generate`][] as it is: one prefill and one decode program for
   the batch, the base's matrix products shared by every row, and each row's low-rank
-  update gathered from its adapter (`_lora._per_row`). The assignment is an array, so a
+  update gathered from its adapter (`_weight._per_row`). The assignment is an array, so a
   new one compiles nothing.
 """
 
@@ -21,7 +21,8 @@ from jaxtyping import ArrayLike
 
 from .._checks import as_int_array, is_concrete
 from ..model._decoder import RotaryDecoder
-from ._lora import LowRank, check_adapted, is_lora, lora_weights
+from ._lora import check_adapted
+from ._weight import LowRank, is_lora, lora_weights
 
 
 def _is_part(x) -> bool:

@@ -29,8 +29,9 @@ from jaxtyping import Array, Float, Int
 from ..generation._decode import decode_program
 from ..generation._generation_config import resolve
 from ..generation._request import parse_request
-from ._grpo import AVERAGING, completion_mask, group_advantages, grpo_objective, rollout_logprobs
-from ._lora import base_model, lora_weights, split_adapters
+from ._objective import AVERAGING, completion_mask, group_advantages, grpo_objective, rollout_logprobs
+from ..adapters._lora import base_model, split_adapters
+from ..adapters._weight import lora_weights
 
 
 @dataclasses.dataclass(frozen=True)

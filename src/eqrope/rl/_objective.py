@@ -2,7 +2,7 @@
 model, and the clipped ratio loss with the k3 KL to a reference.
 
 Everything here is a pure function of arrays (and a model), so the step
-(`_grpo_step.py`) can put it in one program with the rollout, and the tests can check it
+(`_step.py`) can put it in one program with the rollout, and the tests can check it
 against a hand computation.
 """
 
