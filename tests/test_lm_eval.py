@@ -27,7 +27,7 @@ import eqrope
 lm_eval = pytest.importorskip("lm_eval")
 
 import eqrope.eval  # noqa: E402
-from eqrope.eval._score import rolling_windows  # noqa: E402
+from eqrope.eval._windows import rolling_windows  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,8 @@ import pytest
 import eqrope
 import eqrope.testing
 from _compiles import counting
-from eqrope.eval._score import memory_budget, rolling_windows, rows_that_fit
+from eqrope.eval._buckets import memory_budget, rows_that_fit
+from eqrope.eval._windows import rolling_windows
 
 
 pytestmark = pytest.mark.usefixtures("precision")

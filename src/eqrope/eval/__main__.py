@@ -5,6 +5,9 @@ lm-eval finds a model by name only among the classes imported into its registry,
 (which registers "eqrope") and hands every argument to lm-eval's `cli_evaluate`:
 
     python -m eqrope.eval --model eqrope --model_args pretrained=DIR,batch_size=8 --tasks hellaswag
+
+lm-eval's main branch (after 0.4.13) also reads the `lm_eval.models` entry point that
+pyproject.toml declares, and finds "eqrope" with its own command; this one serves both.
 """
 
 
