@@ -1,8 +1,11 @@
 """Importing bench/ scripts from the tests (bench/ is a folder of scripts, not a package)."""
 
 import importlib.util
+import json
 import os
 import pathlib
+import subprocess
+import sys
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -19,3 +22,14 @@ def load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def smoke_run(script: str, mode: str, out: pathlib.Path, result: str, *, timeout: float = 600) -> tuple[dict, str]:
+    """Run `bench/{script}.py --{mode} --out out` under `SMOKE_ENV`; return the JSON it
+    wrote (`out / result`) and its stdout, after checking that it exited cleanly."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{script}.py"), f"--{mode}", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=SMOKE_ENV,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / result).read_text()), proc.stdout

@@ -10,30 +10,31 @@ A checkpoint is two files in one directory:
   version 2) the SHA-256 of the config, which binds the two files together.
 
 Saving serialises everything first, writes a new directory beside the target and renames
-it into place, so a failed save leaves the old checkpoint as it was. Loading rebuilds the
-model's skeleton from the config without computing anything (`eqx.filter_eval_shape`),
-checks every array against it (names, shapes, dtypes, checksums, the config's hash) and
-only then fills it in, so a bad checkpoint raises and never gives a half-loaded model.
-Nothing is pickled. Version 1 (no config hash) is still read.
+it into place, so a failed save leaves the old checkpoint as it was (`_files.py`). Loading
+rebuilds the model's skeleton from the config without computing anything
+(`eqx.filter_eval_shape`), checks the arrays' names, shapes and dtypes and the config's
+hash against it from the file's header, then reads each array into the buffer the model
+keeps (`_stream.py`), checking its checksum as it goes; a bad checkpoint raises and never
+gives a half-loaded model, and loading holds about the file's size. Nothing is pickled.
+Version 1 (no config hash) is still read.
 """
 
 import hashlib
 import json
 import os
-import secrets
-import shutil
 from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-import safetensors
 import safetensors.numpy
 
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
+from ._files import _write_directory, check_writable, swapped_arguments
 from .._json import peek_json, read_json
+from ._stream import Reader, Tensor, empty, read_header, to_device
+from ._table import unstacked_name
 
 
 FORMAT = "eqrope-checkpoint"
@@ -68,6 +69,7 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     when this user may not write `path` or the folder that holds it (the rename needs
     both).
     """
+    swapped_arguments("eqrope.save", model, path, model_first=False)
     if not isinstance(model, RotaryDecoder):
         raise TypeError(
             f"eqrope.save takes a RotaryDecoder, got {type(model).__name__}; "
@@ -129,9 +131,9 @@ def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
         raise FileNotFoundError(f"eqrope.load: no checkpoint directory at {path}.{hint}")
     config_file, arrays_file = path / CONFIG_FILE, path / ARRAYS_FILE
     config, version, digest = _read_config(config_file)
-    arrays, bound = _read_arrays(arrays_file)
-    expected = skeleton(config)
-    problems = compare_to_skeleton(arrays, expected)
+    stored, metadata = _read_header(arrays_file)
+    bound = metadata.get(_CONFIG_HASH)
+    problems = compare_to_skeleton(stored, skeleton(config))
     if bound is None and version >= 2:
         problems.append(f"{arrays_file} has no SHA-256 of its config (format_version {version})")
     elif bound is not None and bound != digest:
@@ -139,21 +141,30 @@ def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
             f"the arrays were saved with a config whose SHA-256 is {bound[:16]}..., "
             f"the SHA-256 of this config is {digest[:16]}...: they come from different saves"
         )
-    if problems:
-        raise ValueError(
-            f"eqrope.load: {config_file} and {arrays_file} do not belong together:\n  "
-            + "\n  ".join(problems) + "\nThe config says which arrays the model has; "
-            "restore the matching pair of files (both from the same eqrope.save)."
-        )
-    return fill(expected, arrays).with_layout(layout)
+    with Reader() as reader:
+        if problems:  # a damaged file is named first, as when everything fits
+            for t in stored.values():
+                _read_checked(reader, t, metadata, _scratch(t))
+            raise ValueError(
+                f"eqrope.load: {config_file} and {arrays_file} do not belong together:\n  "
+                + "\n  ".join(problems) + "\nThe config says which arrays the model has; "
+                "restore the matching pair of files (both from the same eqrope.save)."
+            )
+        # One array at a time: read into its final buffer, then JAX's (the same memory).
+        arrays = {name: to_device(a) for name, a in _read_arrays(reader, stored, metadata, layout)}
+    return fill(skeleton(config, layout), arrays)
 
 
 # -- pieces shared with the Hugging Face converter --------------------------------------
 
 
-def skeleton(config: DecoderConfig) -> RotaryDecoder:
-    """The decoder for `config` with `jax.ShapeDtypeStruct` leaves: shapes, no compute."""
-    return eqx.filter_eval_shape(RotaryDecoder.from_config, config, key=jax.random.PRNGKey(0))
+def skeleton(config: DecoderConfig, layout: str = "stacked") -> RotaryDecoder:
+    """The decoder for `config` in `layout` with `jax.ShapeDtypeStruct` leaves: shapes,
+    no compute."""
+    def build():
+        return RotaryDecoder.from_config(config, key=jax.random.PRNGKey(0)).with_layout(layout)
+
+    return eqx.filter_eval_shape(build)
 
 
 def named_arrays(model: RotaryDecoder) -> dict[str, jax.Array | jax.ShapeDtypeStruct | np.ndarray]:
@@ -183,8 +194,9 @@ def named_arrays(model: RotaryDecoder) -> dict[str, jax.Array | jax.ShapeDtypeSt
 
 
 def compare_to_skeleton(arrays: dict, expected: RotaryDecoder) -> list[str]:
-    """Every difference between `arrays` and the skeleton, one line each (empty: none)."""
-    wanted = named_arrays(expected)
+    """Every difference between `arrays` and the skeleton, one line each (empty: none);
+    the arrays by the skeleton's leaf names, in its layout."""
+    wanted = _leaves(expected)
     problems = [
         f"missing array {name!r} {_describe(s)}" for name, s in wanted.items() if name not in arrays
     ]
@@ -209,39 +221,12 @@ def compare_to_skeleton(arrays: dict, expected: RotaryDecoder) -> list[str]:
     return problems
 
 
-def fill(expected: RotaryDecoder, arrays: dict) -> RotaryDecoder:
-    """The skeleton `expected` with each leaf replaced by `arrays[its path]` (already checked)."""
+def fill(expected: RotaryDecoder, arrays: dict[str, jax.Array]) -> RotaryDecoder:
+    """The skeleton `expected` with each leaf replaced by `arrays[its path]` (JAX arrays,
+    already checked), as they are."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(expected)
-    values = [jnp.asarray(arrays[_path_name(path)]) for path, _ in leaves]
+    values = [arrays[_path_name(path)] for path, _ in leaves]
     return jax.tree_util.tree_unflatten(treedef, values)
-
-
-def check_writable(path: Path, who: str, *, beside: bool, files: tuple[str, ...] = ()) -> None:
-    """Raise `PermissionError`, starting with `who`, unless this user may write the
-    directory `path` (the nearest existing folder above it, if it does not exist yet) and
-    the `files` in it that exist; with `beside`, the folder that holds `path` too (a save
-    writes a new directory there and renames it into place). Run before anything is
-    written, so a refused save changes nothing."""
-    target = path.resolve()
-    needed = []
-    if target.is_dir():
-        needed.append((target, "the directory itself"))
-    if beside or not target.is_dir():
-        folder = target.parent if beside else target
-        while not folder.exists():
-            folder = folder.parent
-        how = "the new directory is written beside it, then renamed into place"
-        needed.append((folder, how if beside else f"{path} is created inside it"))
-    needed += [(target / f, "a file it replaces") for f in files if (target / f).exists()]
-    for where, why in needed:
-        write = os.W_OK | (os.X_OK if where.is_dir() else 0)
-        if not os.access(where, write):
-            kept = f"; what is at {path} is unchanged" if path.exists() else ""
-            raise PermissionError(
-                f"{who}: cannot write to {path}: this user may not write {where} ({why}). "
-                f"Nothing was written{kept}. Pass a directory you can write, or change "
-                "the permissions."
-            )
 
 
 # -- private helpers -------------------------------------------------------------------
@@ -259,12 +244,18 @@ def _path_name(path) -> str:
     return ".".join(parts)
 
 
+def _leaves(tree) -> dict:
+    """The leaves of `tree` by their path names, in its layout."""
+    return {_path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _describe(a) -> str:
     return f"(shape {tuple(a.shape)}, dtype {np.dtype(a.dtype)})"
 
 
 def _digest(a: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+    """SHA-256 of the bytes of `a` (read in place when it is contiguous)."""
+    return hashlib.sha256(np.ascontiguousarray(a).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def _config_digest(data: dict) -> str:
@@ -285,57 +276,6 @@ def _check_replaceable(path: Path) -> None:
             f"eqrope.save: {path / ARRAYS_FILE} exists without an eqrope {CONFIG_FILE}; "
             "refusing to overwrite it. Save into an empty directory."
         )
-
-
-def _write_directory(path: Path, files: dict[str, bytes]) -> None:
-    """Make `path` a directory holding `files`, all at once: they are written into a new
-    directory beside it, which replaces it by renames. An existing `path` keeps its other
-    entries (hard-linked or copied over) and is put back if the swap fails."""
-    target = path.resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stem = f".{target.name}.{secrets.token_hex(4)}"
-    tmp, old = target.with_name(stem + ".tmp"), target.with_name(stem + ".old")
-    tmp.mkdir()
-    try:
-        for name, data in files.items():
-            with open(tmp / name, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        if not target.is_dir():
-            os.replace(tmp, target)
-        else:
-            shutil.copymode(target, tmp)
-            for entry in target.iterdir():
-                if entry.name not in files:
-                    _carry(entry, tmp / entry.name)
-            os.replace(target, old)
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                os.replace(old, target)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        fd = os.open(target.parent, os.O_RDONLY)  # make the renames durable
-        os.fsync(fd)
-        os.close(fd)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _carry(entry: Path, dest: Path) -> None:
-    """Put `entry` at `dest` too: files and symlinks hard-linked (or copied), folders too."""
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(entry, dest)
-
-
-def _link_or_copy(src, dst) -> None:
-    try:
-        os.link(src, dst, follow_symlinks=False)
-    except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _read_config(file: Path) -> tuple[DecoderConfig, int, str]:
@@ -367,32 +307,59 @@ def _read_config(file: Path) -> tuple[DecoderConfig, int, str]:
     return config, version, _config_digest(data)
 
 
-def _read_arrays(file: Path) -> tuple[dict[str, np.ndarray], str | None]:
-    """The arrays, checked against their checksums, and the config hash they were saved with."""
+def _read_header(file: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The arrays of `file` (where they are, no data read) and its metadata, every array
+    with a checksum there."""
     if not file.is_file():
         raise FileNotFoundError(
             f"eqrope.load: {file} is missing; a checkpoint needs {CONFIG_FILE} and "
             f"{ARRAYS_FILE} side by side, as eqrope.save writes them."
         )
     try:
-        with safetensors.safe_open(str(file), framework="numpy") as f:
-            metadata = f.metadata() or {}
-            arrays = {name: f.get_tensor(name) for name in f.keys()}
+        metadata, stored = read_header(file)
     except Exception as e:  # safetensors raises its own error types for a damaged header
         raise ValueError(
             f"eqrope.load: {file} is truncated or corrupted and cannot be read "
             f"({type(e).__name__}: {e}). Restore it from the same eqrope.save as {CONFIG_FILE}."
         ) from None
-    for name, a in arrays.items():
-        stored = metadata.get(_HASH_PREFIX + name)
-        if stored is None:
+    for name in stored:
+        if _HASH_PREFIX + name not in metadata:
             raise ValueError(
                 f"eqrope.load: {file} has no checksum for array {name!r}; it was not written "
                 "by eqrope.save (or its header was damaged)."
             )
-        if stored != _digest(a):
-            raise ValueError(
-                f"eqrope.load: array {name!r} in {file} does not match its checksum; the file "
-                f"is corrupted. Restore it from the same eqrope.save as {CONFIG_FILE}."
-            )
-    return arrays, metadata.get(_CONFIG_HASH)
+    return stored, metadata
+
+
+def _read_arrays(reader: Reader, stored: dict[str, Tensor], metadata: dict, layout: str):
+    """Each array, checked against its checksum, as `(leaf name, array)` of the decoder
+    in `layout` (stacked in the file, an unstacked decoder's blocks one per block)."""
+    for name, t in stored.items():
+        if layout == "unstacked" and name.startswith("blocks."):
+            blocks = [empty(t.shape[1:], t.dtype) for _ in range(t.shape[0])]
+            _read_checked(reader, t, metadata, blocks)
+            yield from ((unstacked_name(name, i), a) for i, a in enumerate(blocks))
+        else:
+            whole = empty(t.shape, t.dtype)
+            _read_checked(reader, t, metadata, [whole])
+            yield name, whole
+
+
+def _read_checked(reader: Reader, t: Tensor, metadata: dict, outs) -> None:
+    """The bytes of `t` into `outs` (contiguous arrays that take them in order), or a
+    `ValueError` if they do not match the checksum in `metadata`."""
+    hasher, offset = hashlib.sha256(), 0
+    for out in outs:
+        reader.read_into(t, out, offset, hasher)
+        offset += out.nbytes
+    if hasher.hexdigest() != metadata[_HASH_PREFIX + t.name]:
+        raise ValueError(
+            f"eqrope.load: array {t.name!r} in {t.file} does not match its checksum; the file "
+            f"is corrupted. Restore it from the same eqrope.save as {CONFIG_FILE}."
+        )
+
+
+def _scratch(t: Tensor, chunk: int = 2**20):
+    """One reused buffer over the bytes of `t`, chunk after chunk (to check, not to keep)."""
+    buffer = empty((min(chunk, t.nbytes),), np.uint8)
+    return (buffer[: min(chunk, t.nbytes - at)] for at in range(0, t.nbytes, chunk))

@@ -14,6 +14,7 @@ import safetensors.numpy
 
 from ._checkpoint import FORMAT as _CHECKPOINT_FORMAT
 from ._checkpoint import check_writable, named_arrays
+from ._files import swapped_arguments
 from ..model._decoder import RotaryDecoder
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import hf_config
@@ -51,6 +52,7 @@ def to_hf(
     The config has no special tokens (`bos_token_id`, `eos_token_id` are null), since an
     eqrope model has none; set them if your tokenizer has them.
     """
+    swapped_arguments("eqrope.to_hf", model, path, model_first=True)
     if not isinstance(model, RotaryDecoder):
         raise TypeError(f"to_hf takes a RotaryDecoder, got {type(model).__name__}.")
     c = model.config

@@ -1,7 +1,10 @@
 """Hugging Face checkpoints in: `eqrope.from_hf`, with numpy and safetensors (no torch).
 
 `_hf_config.py` reads `config.json` (one family at a time); `_hf.py` says how the weights
-differ (the rotary pairing, the head bias) and `_weights.py` maps them, array by array.
+differ (the rotary pairing, the head bias) and `_table.py` maps them, array by array.
+The tensors are checked from the files' headers, then streamed (`_stream.py`): each array
+of the model is allocated once and filled tensor by tensor, so loading holds about the
+checkpoint's size, in its dtype unless `dtype` converts.
 """
 
 import dataclasses
@@ -10,7 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import safetensors
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from .._checks import check_int
@@ -19,6 +21,7 @@ from ..model._decoder import RotaryDecoder, check_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import ARCHITECTURES, decoder_config
 from .._json import read_json
+from ._stream import Reader, Tensor, read_header, to_device
 from ._table import from_hf as from_hf_arrays, hf_shapes
 
 
@@ -100,24 +103,30 @@ def from_hf(
             f"from_hf: the weights in {path} have no {embed_name!r}; is this a "
             f"{hf.get('model_type')} causal language model?"
         )
-    _check_tensors(tensors, config, path, hf["model_type"])
-    if dtype_name is None:
-        kept = np.dtype(tensors[embed_name].dtype).name
-        dtype_name = _model_dtype(
-            kept,
-            f"from_hf: tensor {embed_name!r} in {path} is {kept}, and dtype=None keeps the "
-            "checkpoint's dtype",
-            "Pass dtype='float32' (or another of them) to convert.",
-        )
-        config = dataclasses.replace(config, dtype=dtype_name)
-    arrays = from_hf_arrays(tensors, config)
-    expected = skeleton(config)
+    with Reader() as reader:
+        _check_tensors(tensors, config, path, hf["model_type"], reader)
+        if dtype_name is None:
+            kept = tensors[embed_name].dtype.name
+            dtype_name = _model_dtype(
+                kept,
+                f"from_hf: tensor {embed_name!r} in {path} is {kept}, and dtype=None keeps the "
+                "checkpoint's dtype",
+                "Pass dtype='float32' (or another of them) to convert.",
+            )
+            config = dataclasses.replace(config, dtype=dtype_name)
+
+        def copy(name, out, **how):
+            reader.copy(tensors[name], out, **how)
+
+        # One array at a time: read into its final buffer, then JAX's (the same memory).
+        arrays = {name: to_device(a) for name, a in from_hf_arrays(copy, config, layout)}
+    expected = skeleton(config, layout)
     problems = compare_to_skeleton(arrays, expected)
     if problems:  # a bug in this converter, not in the user's files
         raise AssertionError(
             "from_hf built arrays that do not fit the decoder: " + "; ".join(problems)
         )
-    return fill(expected, arrays).with_layout(layout)
+    return fill(expected, arrays)
 
 
 def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
@@ -126,13 +135,16 @@ def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: int | None = 
     return from_hf(path, dtype=dtype, max_len=max_len)
 
 
-def _check_tensors(tensors: dict, c: DecoderConfig, path: Path, family: str) -> None:
-    """Raise, listing every problem, unless `tensors` are the tensors `c` implies."""
+def _check_tensors(
+    tensors: dict[str, Tensor], c: DecoderConfig, path: Path, family: str, reader: Reader
+) -> None:
+    """Raise, listing every problem, unless `tensors` are the tensors `c` implies (their
+    names, shapes and dtypes, from the files' headers)."""
     shapes = hf_shapes(c)
     names = {n for n in tensors if not n.endswith(_IGNORED_SUFFIXES)}
     if c.tie_embeddings and "lm_head.weight" in names:
         # Some tied checkpoints store the head anyway; it must be the embedding.
-        if not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+        if not reader.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
             raise ValueError(
                 f"from_hf: config.json in {path} sets tie_word_embeddings=true but "
                 "lm_head.weight differs from model.embed_tokens.weight; fix the config."
@@ -181,8 +193,9 @@ def _is_float(dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
 
 
-def _read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint, from the sharded index if there is one."""
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint (where it is, no data read), from the sharded index
+    if there is one."""
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = read_json(index, "from_hf").get("weight_map")
@@ -207,23 +220,18 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
                 f"from_hf: shard {file} listed in {INDEX_FILE} is missing."
             )
         try:
-            with safetensors.safe_open(str(file), framework="numpy") as f:
-                present = set(f.keys())
-                wanted = present if names is None else names
-                absent = sorted(set(wanted) - present)
-                if absent:
-                    raise ValueError(
-                        f"from_hf: {INDEX_FILE} puts {absent[:3]} in {file}, which "
-                        "lacks them."
-                    )
-                for name in wanted:
-                    tensors[name] = f.get_tensor(name)
-        except ValueError:
-            raise
+            _, present = read_header(file)
         except Exception as e:  # safetensors' own errors for a damaged file
             raise ValueError(
                 f"from_hf: {file} is truncated or corrupted ({type(e).__name__}: {e})."
             ) from None
+        wanted = present if names is None else names
+        absent = sorted(set(wanted) - set(present))
+        if absent:
+            raise ValueError(
+                f"from_hf: {INDEX_FILE} puts {absent[:3]} in {file}, which lacks them."
+            )
+        tensors.update((name, present[name]) for name in wanted)
     return tensors
 
 

@@ -18,12 +18,13 @@ rotate-half to interleaved pairing (`rope_rows`, `_hf.pairing_permutation`).
 """
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from ..model._config import DecoderConfig
 from ._hf import pairing_permutation
+from ._stream import empty
 
 
 Axes = tuple[str | tuple[str, ...], ...]
@@ -220,21 +221,51 @@ def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def from_hf(tensors: Mapping[str, np.ndarray], config: DecoderConfig) -> dict[str, np.ndarray]:
-    """eqrope's arrays by path, from Hugging Face tensors already checked by `hf_shapes`."""
-    dt = np.dtype(config.dtype)
-    per_block: dict[str, list[np.ndarray]] = {}
-    for w, i in _hf_slots(config):
-        parts = []
-        for name, rope in zip(w.hf, w.rope_rows):
-            t = tensors[name.format(i=i)].astype(dt)
-            t = t[_row_order(t, config)] if rope else t
-            parts.append(t.T if w.transpose else t)
-        per_block.setdefault(w.path, []).append(np.concatenate(parts, axis=w.part_dim))
-    return {
-        path: np.ascontiguousarray(np.stack(blocks) if BY_PATH[path].stacked else blocks[0])
-        for path, blocks in per_block.items()
-    }
+def from_hf(
+    copy: Callable[..., None], config: DecoderConfig, layout: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """eqrope's arrays, one at a time, filled from Hugging Face tensors checked by `hf_shapes`.
+
+    `copy(name, out, transpose=..., row_order=...)` writes the tensor `name` into `out`,
+    a view of the array, transposed and its rows reordered as asked (`_stream.Reader.copy`).
+    Yields `(name, array)` in `config.dtype`: with `layout="stacked"` the stacked blocks'
+    arrays whole (`"blocks.attn.wqkv"`), with `"unstacked"` one per block, named as the
+    unstacked decoder's leaves (`"blocks.3.attn.wqkv"`). Each array is allocated once
+    (`_stream.empty`) and filled part by part, block by block; none is kept once yielded.
+    """
+    dt, sizes = np.dtype(config.dtype), _sizes(config)
+    for w in _hf_rows(config):
+        shape = tuple(
+            sum(sizes[p] for p in a) if isinstance(a, tuple) else sizes[a] for a in w.block_axes
+        )
+        if not w.stacked:
+            out = empty(shape, dt)
+            _fill_block(out, w, 0, copy, config, sizes)
+            yield w.path, out
+        elif layout == "stacked":
+            out = empty((config.n_blocks, *shape), dt)
+            for i in range(config.n_blocks):
+                _fill_block(out[i], w, i, copy, config, sizes)
+            yield w.path, out
+        else:
+            for i in range(config.n_blocks):
+                out = empty(shape, dt)
+                _fill_block(out, w, i, copy, config, sizes)
+                yield unstacked_name(w.path, i), out
+
+
+def unstacked_name(path: str, i: int) -> str:
+    """The name of block `i`'s array of the stacked `path` in an unstacked decoder:
+    `"blocks.attn.wqkv"` -> `"blocks.3.attn.wqkv"`."""
+    return f"blocks.{i}.{path.removeprefix('blocks.')}"
+
+
+def _fill_block(out: np.ndarray, w: Weight, i: int, copy, config: DecoderConfig, sizes) -> None:
+    """Block `i`'s slice `out` of the array `w`, part by part along `part_dim`."""
+    for name, part, rope in _parts(out, w, sizes):
+        rows = part.shape[-1] if w.transpose else part.shape[0]
+        order = _row_order(rows, config) if rope else None
+        copy(name.format(i=i), part, transpose=w.transpose, row_order=order)
 
 
 def to_hf(arrays: Mapping[str, np.ndarray], config: DecoderConfig) -> dict[str, np.ndarray]:
@@ -244,20 +275,31 @@ def to_hf(arrays: Mapping[str, np.ndarray], config: DecoderConfig) -> dict[str, 
     for w, i in _hf_slots(config):
         a = np.asarray(arrays[w.path])
         a = a[i] if w.stacked else a
-        ends = np.cumsum([sizes[p] for p in w.parts])[:-1]
-        for name, part, rope in zip(w.hf, np.split(a, ends, axis=w.part_dim), w.rope_rows):
+        for name, part, rope in _parts(a, w, sizes):
             t = part.T if w.transpose else part
-            t = t[np.argsort(_row_order(t, config))] if rope else t
+            t = t[np.argsort(_row_order(t.shape[0], config))] if rope else t
             out[name.format(i=i)] = np.ascontiguousarray(t)
     return out
 
 
-def _hf_slots(config: DecoderConfig) -> Iterator[tuple[Weight, int]]:
-    """`(weight, block)` for each array (block) of `config`: the unstacked, then block by block."""
+def _parts(a: np.ndarray, w: Weight, sizes: dict[str, int]):
+    """`(Hugging Face name, view of a, rope_rows flag)` for each part of one block's `a`."""
+    ends = np.cumsum([sizes[p] for p in w.parts])[:-1]
+    return zip(w.hf, np.split(a, ends, axis=w.part_dim), w.rope_rows)
+
+
+def _hf_rows(config: DecoderConfig) -> list[Weight]:
+    """The rows of the arrays of `config`, each of which has Hugging Face tensors."""
     rows = [w for w in WEIGHTS if w.exists(config)]
     missing = [w.path for w in rows if not w.hf]
     if missing:  # the callers refuse such configs first, saying why
         raise ValueError(f"the arrays {missing} have no Hugging Face counterpart.")
+    return rows
+
+
+def _hf_slots(config: DecoderConfig) -> Iterator[tuple[Weight, int]]:
+    """`(weight, block)` for each array (block) of `config`: the unstacked, then block by block."""
+    rows = _hf_rows(config)
     yield from ((w, 0) for w in rows if not w.stacked)
     for i in range(config.n_blocks):
         yield from ((w, i) for w in rows if w.stacked)
@@ -270,6 +312,6 @@ def _sizes(config: DecoderConfig) -> dict[str, int]:
     return {a: n * widths.get(a, 1) for a, n in counts.items()}
 
 
-def _row_order(t: np.ndarray, config: DecoderConfig) -> np.ndarray:
-    """Interleaved from rotate-half pairing over the rows of `t`, whole heads of `head_dim`."""
-    return pairing_permutation(t.shape[0] // config.head_dim, config.head_dim)
+def _row_order(rows: int, config: DecoderConfig) -> np.ndarray:
+    """Interleaved from rotate-half pairing over `rows` rows, whole heads of `head_dim`."""
+    return pairing_permutation(rows // config.head_dim, config.head_dim)

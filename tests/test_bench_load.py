@@ -1,0 +1,56 @@
+"""bench/load.py in its quick mode: every case present, every figure consistent.
+
+Neither memory nor time is asserted (the shapes are tiny); the ratios are checked against
+the raw figures they come from, and the targets' flags against the ratios.
+"""
+
+import math
+
+import pytest
+from _bench import smoke_run
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    result, stdout = smoke_run("load", "quick", tmp_path_factory.mktemp("load"), "load.json", timeout=300)
+    assert "targets:" in stdout
+    return result
+
+
+def close(a, b):
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+def test_quick_run_is_consistent(data):
+    m = data["machine"]
+    assert data["mode"] == "quick" and data["repeats"] == 1
+    assert m["platform"] and m["cpu_count"] >= 1 and m["python"] and m["jax"] and m["equinox"]
+    assert m["numpy"] and m["safetensors"]
+    assert len(data["loadavg"]["start"]) == 3 and len(data["loadavg"]["end"]) == 3
+
+    assert set(data["checkpoints"]) == {"smollm2_135m", "qwen2.5_0.5b"}
+    smol, qwen = data["checkpoints"]["smollm2_135m"], data["checkpoints"]["qwen2.5_0.5b"]
+    assert smol["config"]["dtype"] == "bfloat16" and qwen["config"]["dtype"] == "float32"
+    assert set(smol["memory"]) == {"from_hf_stacked", "from_hf_unstacked", "load_file",
+                                   "load_stacked", "load_unstacked"}  # fmt: skip
+    assert set(qwen["memory"]) == {"from_hf_stacked", "from_hf_unstacked", "load_file"}
+    for c in (smol, qwen):
+        assert c["file_nbytes"] > 0 and c["params"] > 0
+        for name, r in c["memory"].items():
+            assert r["growth_nbytes"] == r["peak_after_nbytes"] - r["rss_before_nbytes"]
+            assert r["peak_after_nbytes"] >= r["rss_after_nbytes"] > 0, name
+            if name.startswith(("from_hf", "load_file")):  # the same files
+                assert close(r["ratio"], r["growth_nbytes"] / c["file_nbytes"])
+        t = c["time"]
+        assert set(t) == {"from_hf", "from_hf_unstacked", "load_file"}
+        for timing in t.values():
+            assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
+            assert len(timing["times_s"]) == timing["repeats"] == 1
+        assert close(c["time_ratio"], t["from_hf"]["median_s"] / t["load_file"]["median_s"])
+        assert close(c["time_ratio_unstacked"],
+                     t["from_hf_unstacked"]["median_s"] / t["load_file"]["median_s"])  # fmt: skip
+
+    stacked, unstacked = (smol["memory"][f"from_hf_{x}"]["ratio"] for x in ("stacked", "unstacked"))
+    assert [x["measured"] for x in data["targets"]] == [stacked, unstacked, qwen["time_ratio"]]
+    assert [x["met"] for x in data["targets"]] == [stacked <= 1.3, unstacked <= 1.3,
+                                                   qwen["time_ratio"] <= 1.5]  # fmt: skip
