@@ -31,8 +31,16 @@ def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
     return constrain(cache, mesh, rules), logits, buffer, lengths, history
 
 
-# Prompts up to this long are prefilled in one piece of this many tokens.
-SHORT = 16
+def prefill_piece(max_len: int) -> int:
+    """The default prefill piece of a cache of `max_len` rows: a quarter of the cache,
+    between 16 and 64 tokens (16 up to 64 rows, 32 at 128, 64 from 256 rows).
+
+    One piece size per cache length keeps the program at one prefill form (each form is
+    a whole copy of the model to compile). Short caches hold short prompts, which small
+    pieces prefill without padding them to 64 tokens; long prompts take fewer, larger
+    pieces, each reading the weights once.
+    """
+    return min(max(max_len // 4, 16), 64, max_len)
 
 
 def prefill_rows(
@@ -41,8 +49,7 @@ def prefill_rows(
     """Prefill every row in chunks; only chunks that start before the longest prompt run.
 
     The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
-    may recompute rows an earlier chunk wrote, with the same tokens and positions. When
-    every prompt fits in `SHORT` tokens, one piece of that many runs instead.
+    may recompute rows an earlier chunk wrote, with the same tokens and positions.
 
     **Returns:** the cache of the rows (`_rows.rows_cache`: no batch axis for one row)
     and the float32 logits at each row's last prompt token.
@@ -66,21 +73,13 @@ def prefill_rows(
 
         return over_rows(row, buffer, lengths, *carry)
 
-    def chunks(carry):
-        def body(carry, j):
-            start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
-            run = lambda c: rows(chunk, start, c)
-            return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
-
-        n_chunks = math.ceil(max_len / chunk)
-        return jax.lax.scan(body, carry, jnp.arange(n_chunks, dtype=jnp.int32))[0]
+    def body(carry, j):
+        start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
+        run = lambda c: rows(chunk, start, c)
+        return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
 
     carry = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32))
-    short = min(SHORT, max_len)
-    if chunk <= short:
-        return chunks(carry)
-    # Short prompts (the common case of a chat turn or a benchmark) run one short piece
-    # instead of a whole padded chunk; the branch is on the traced lengths, so a new
-    # prompt length compiles nothing.
-    start = jnp.zeros((), jnp.int32)
-    return jax.lax.cond(longest <= short, lambda c: rows(short, start, c), chunks, carry)
+    n_chunks = math.ceil(max_len / chunk)
+    if n_chunks == 1:  # one piece, which always holds a prompt token
+        return rows(chunk, jnp.zeros((), jnp.int32), carry)
+    return jax.lax.scan(body, carry, jnp.arange(n_chunks, dtype=jnp.int32))[0]

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import BlockCache, KVCache
 from ._config import RopeScaling
 from ._init import uniform_weight
-from ._kernel import empty_state, finish, merge, merge_cache
+from ._kernel import attend, attend_cache, empty_state, finish, merge, merge_cache
 from ._matmul import matmul
 from ._norm import norm_heads
 from ._rope import apply_rope, rope_attention_factor, rope_inv_freq
@@ -142,13 +142,15 @@ class CausalSelfAttention(eqx.Module):
         group = self.n_heads // self.n_kv_heads
         qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
         k, v = jnp.transpose(k, (1, 0, 2)), jnp.transpose(v, (1, 0, 2))
-        state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
-        if past is not None:
-            state = merge_cache(state, qg, past, positions, window)
         causal = positions[None, :] <= positions[:, None]
         if window is not None:
             causal = causal & (positions[None, :] > positions[:, None] - window)
-        out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
+        if past is None:  # no cache (training, the full pass): one plain softmax
+            out = attend(qg, k, v, causal).astype(v.dtype)
+        else:
+            state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+            state = merge_cache(state, qg, past, positions, window)
+            out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
         out = matmul(out.reshape(seq, self.n_heads * self.head_dim), self.wo)
         if self.bo is not None:
             out = out + self.bo
@@ -177,9 +179,13 @@ class CausalSelfAttention(eqx.Module):
         qg = q.reshape(seq, self.n_kv_heads, group, self.head_dim)
         k, v = jnp.transpose(k, (1, 0, 2)), jnp.transpose(v, (1, 0, 2))
         cache = cache.write_block(index, k, v, positions[0])
-        state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
-        state = merge_cache(state, qg, cache.block(index, bound, low), positions, window, inclusive=True)
-        out = finish(state).astype(v.dtype).reshape(seq, self.n_heads * self.head_dim)
+        past = cache.block(index, bound, low)
+        if past.max_len <= past.chunk:  # a short cache: one pass over all its rows
+            out = attend_cache(qg, past, positions, window)
+        else:
+            state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+            out = finish(merge_cache(state, qg, past, positions, window, inclusive=True))
+        out = out.astype(v.dtype).reshape(seq, self.n_heads * self.head_dim)
         out = matmul(out, self.wo)
         if self.bo is not None:
             out = out + self.bo

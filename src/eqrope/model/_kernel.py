@@ -9,6 +9,7 @@ Partial results are merged with the streaming softmax of Milakov & Gimelshein (2
 in FlashAttention (Dao et al. 2022).
 """
 
+import functools
 import math
 
 import jax
@@ -63,6 +64,21 @@ def merge(
     return m_new, l, acc * correction[..., None] + pv
 
 
+def attend(
+    q: Float[Array, "seq kv_heads group head_dim"],
+    k: Float[Array, "kv_heads rows head_dim"],
+    v: Float[Array, "kv_heads rows head_dim"],
+    mask: Bool[Array, "#seq rows"],
+) -> Float[Array, "seq kv_heads group head_dim"]:
+    """The softmax-weighted values of the rows `k, v` (where `mask`) in one pass, as a
+    plain masked softmax: `merge` into an empty state and `finish`, without the running
+    state. Every query must see at least one row."""
+    s = jnp.where(mask, scores(q, k), -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return jnp.transpose(pv / jnp.sum(p, axis=-1)[..., None], (2, 0, 1, 3))
+
+
 def finish(state: State) -> Float[Array, "seq kv_heads group head_dim"]:
     """The softmax-weighted values, `acc / l`, as `(seq, kv_heads, group, head_dim)`."""
     _, l, acc = state
@@ -99,15 +115,7 @@ def merge_cache(
     low = n_valid if past.low is None else past.low
     if inclusive:
         bound = bound + positions.shape[0]
-
-    def mask(rows, first):
-        if inclusive:
-            visible = (rows[None, :] >= first) & (rows[None, :] <= positions[:, None])
-        else:
-            visible = ((rows >= first) & (rows < n_valid))[None, :]
-        if window is None:
-            return visible
-        return visible & (rows[None, :] > positions[:, None] - window)
+    mask = functools.partial(_visible, positions=positions, window=window, inclusive=inclusive)
 
     if max_len <= chunk:
         return merge(state, q, *past.rows(0, max_len), mask(jnp.arange(max_len, dtype=jnp.int32), 0))
@@ -129,3 +137,30 @@ def merge_cache(
 
     state, _ = jax.lax.scan(body, state, jnp.arange(n_chunks, dtype=jnp.int32))
     return state
+
+
+def attend_cache(
+    q: Float[Array, "seq kv_heads group head_dim"],
+    past: BlockCache,
+    positions: Int[Array, " seq"],
+    window: Int[Array, ""] | None = None,
+) -> Float[Array, "seq kv_heads group head_dim"]:
+    """`finish(merge_cache(empty, q, past, positions, window, inclusive=True))` for a
+    cache that fits in one chunk (`past.max_len <= past.chunk`), as one plain masked
+    softmax over all its rows, as a minimal decoder attends."""
+    rows = jnp.arange(past.max_len, dtype=jnp.int32)
+    mask = _visible(rows, 0, positions=positions, window=window, inclusive=True)
+    return attend(q, *past.rows(0, past.max_len), mask)
+
+
+def _visible(rows, first, *, positions, window, inclusive: bool) -> Bool[Array, "#seq rows"]:
+    """Which of the cache `rows` (from `first`) each query at `positions` sees: rows
+    before `positions[0]`, or with `inclusive` (the new rows written first) each query's
+    rows up to its own position; with a sliding `window`, only rows `r > p - window`."""
+    if inclusive:
+        visible = (rows[None, :] >= first) & (rows[None, :] <= positions[:, None])
+    else:
+        visible = ((rows >= first) & (rows < positions[0]))[None, :]
+    if window is None:
+        return visible
+    return visible & (rows[None, :] > positions[:, None] - window)

@@ -4,14 +4,14 @@ The parameters are Equinox's own layers: `eqx.nn.RMSNorm` (weight only) and, for
 textbook's `norm="layer"` variant, `eqx.nn.LayerNorm` (weight and bias). The computation
 is ours, because theirs squares the input directly: in float32 the mean of squares of a
 vector with entries above ~1e19 overflows to inf and the output becomes exactly zero.
-We scale the vector by a power of two `s` close to `max|x|` first, which changes nothing
-mathematically,
+We also take the mean of squares of `x * 2^-k` (`k` = 96 in float32, 768 in float64), in
+the same pass over `x`, and use it where the plain one overflowed, since
 
-    x / sqrt(mean(x^2) + eps) == (x/s) / sqrt(mean((x/s)^2) + eps/s^2),
+    x / sqrt(mean(x^2) + eps) == (x c) / sqrt(mean((x c)^2) + eps c^2),   c = 2^-k,
 
-and nothing numerically for ordinary inputs either, since dividing by a power of two is
-exact. The statistic is computed in (at least) float32 and the result cast back to the
-input dtype.
+and multiplying by a power of two is exact. Where the plain mean overflows, the entries
+are large enough that their scaled squares neither underflow nor overflow. The
+statistic is computed in (at least) float32 and the result cast back to the input dtype.
 
 ??? cite "Zhang & Sennrich (2019), Eq. (4)"
 
@@ -58,14 +58,20 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(x.dtype, jnp.float32)
     y = x.astype(dtype)
-    # s: the power of two with s <= max|x| < 2s, so |x/s| < 2 (s = 1 for max|x| <= 1,
-    # where nothing can overflow). The result does not depend on s: no gradient through it.
-    m = jax.lax.stop_gradient(jnp.max(jnp.abs(y)))
-    s = _power_of_two_below(jnp.where(jnp.isfinite(m) & (m > 1), m, 1))
-    y = y / s
     if isinstance(norm, eqx.nn.LayerNorm):
         y = y - jnp.mean(y)
-    y = y * jax.lax.rsqrt(jnp.mean(y * y) + norm.eps / (s * s))
+    c = jnp.asarray(_SCALE[jnp.dtype(dtype)], dtype)
+    # `plain` is the usual statistic, bitwise; each is made safe before its rsqrt, so the
+    # branch not taken has no infinite gradient either.
+    plain, scaled = jnp.mean(y * y), jnp.mean((y * c) * (y * c))
+    fits = jnp.isfinite(plain)
+    plain = jnp.where(fits, plain, 1)
+    scaled = jnp.where(fits, 1, scaled)
+    # Scalars only: the vector is multiplied once, by `c` or 1 times the inverse root.
+    factor = jnp.where(
+        fits, jax.lax.rsqrt(plain + norm.eps), c * jax.lax.rsqrt(scaled + norm.eps * c * c)
+    )
+    y = y * factor
     if norm.weight is not None:
         y = y * norm.weight.astype(dtype)
     if getattr(norm, "bias", None) is not None:
@@ -73,17 +79,6 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     return y.astype(x.dtype)
 
 
-# The exponent bits of an IEEE float32 and float64, as unsigned integers of their width.
-_EXPONENT_BITS = {
-    jnp.dtype(jnp.float32): (jnp.uint32, 0x7F800000),
-    jnp.dtype(jnp.float64): (jnp.uint64, 0x7FF0000000000000),
-}
-
-
-def _power_of_two_below(m: Float[Array, ""]) -> Float[Array, ""]:
-    """The power of two `s` with `s <= m < 2s`, for a finite normal `m > 0` in float32
-    or float64: `m` with its mantissa bits cleared, two operations where `frexp` and
-    `ldexp` lower to dozens (each norm is in every compiled program several times)."""
-    uint, mask = _EXPONENT_BITS[m.dtype]
-    bits = jax.lax.bitcast_convert_type(m, uint) & jnp.asarray(mask, uint)
-    return jax.lax.bitcast_convert_type(bits, m.dtype)
+# `c = 2^-k` for the scaled statistic: the squares of entries large enough to overflow
+# the plain mean stay normal numbers (float32 overflows past ~2^63, float64 past ~2^511).
+_SCALE = {jnp.dtype(jnp.float32): 2.0**-96, jnp.dtype(jnp.float64): 2.0**-768}
