@@ -149,6 +149,16 @@ def floor_generate_unrolled(w, prompt, *, s: Sizes, max_new: int, cache_len: int
     return greedy(lambda ids, pos, c: forward_unrolled(w, s, ids, pos, c), prompt, caches, max_new)
 
 
+@functools.partial(jax.jit, static_argnames=("s", "cache_len"))
+def floor_prefill_unrolled(w, prompt, *, s: Sizes, cache_len: int):
+    """The first token after `prompt`: the unrolled floor's one-pass prefill into empty
+    per-block caches, then the argmax (the time to the first token)."""
+    shape = (s.n_kv_heads, cache_len, s.head_dim)
+    caches = [(jnp.zeros(shape, w["embed"].dtype), jnp.zeros(shape, w["embed"].dtype)) for _ in w["layers"]]
+    logits, _ = forward_unrolled(w, s, prompt, 0, caches)
+    return jnp.argmax(logits[-1])
+
+
 def default_cache_len(seq: int, max_new: int, model_max_len: int) -> int:
     """What `eqrope.generate` picks by default: the smallest power of two (at least 16)
     holding the prompt and the new tokens, capped at the model's `max_len`."""

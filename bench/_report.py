@@ -28,6 +28,8 @@ def targets(result: dict) -> list[dict]:
     inside = result["roofline_in_generate"]["fraction_of_working_set_copy"]
     batch = result["batch_matmul"]
     compiles = result["first_call"]["new_lengths"]["compiles"]
+    fresh = result["first_call"]["fresh"]
+    cold, warm = fresh["eqrope_cold"]["median_s"], fresh["eqrope_warm"]["median_s"]
     return [
         target("seed: cache speedup (median)", ">= 25", result["speedup_median"],
                result["speedup_median"] >= 25),
@@ -48,7 +50,20 @@ def targets(result: dict) -> list[dict]:
         target(f"batch {batch['batch']}: decode / matmul FLOP/s", ">= 0.5",
                batch["fraction_of_matmul"], batch["fraction_of_matmul"] >= 0.5),
         target("new lengths, one cache length: XLA compiles", "<= 0", compiles, compiles <= 0),
+        target("seed: first call, cold, fresh process, s", "<= 1.0", cold, cold <= 1.0),
+        target("seed: first call, warm persistent cache, fresh process, s", "<= 0.6", warm,
+               warm <= 0.6),
     ]
+
+
+# Printed under "targets:": a target not met is a goal of the project, not a failure.
+TARGETS_NOTE = ("  (the project's goals for this machine: \"open\" is a goal not yet met, "
+                "a measurement, not an error of the install)")
+
+
+def verdict(met: bool | None) -> str:
+    """A target's word: "met", "open (not yet met)", or "not measured" (a smaller mode)."""
+    return {True: "met", False: "open (not yet met)", None: "not measured"}[met]
 
 
 def fmt(x, spec=".3f") -> str:
@@ -84,6 +99,12 @@ def table(result: dict) -> str:
         f"calls: cache {c['first_compile']['compile_s']:.2f} s, "
         f"no cache {u['first_compile']['compile_s']:.2f} s",
     ]
+    fresh = result["first_call"]["fresh"]
+    lines += ["", "first call in a fresh process (s, median, min-max): eqrope cold "
+              f"{fresh['eqrope_cold']['median_s']:.2f} ({fresh['eqrope_cold']['min_s']:.2f}-"
+              f"{fresh['eqrope_cold']['max_s']:.2f}), with the persistent cache warm "
+              f"{fresh['eqrope_warm']['median_s']:.2f}, the floor cold "
+              f"{fresh['floor_cold']['median_s']:.2f} (ratio {fresh['ratio_cold']:.2f})"]
     g = result["growth"]
     lines += ["", f"growth protocol ({g['params']:,} params, prompt {g['prompt_len']}): seconds",
               f"  {'N':>5}{'cache':>9}{'no cache':>10}{'speedup':>9}"]
@@ -125,10 +146,10 @@ def table(result: dict) -> str:
         f"{result['cache_memory']['exercise_3_nbytes']:,} bytes",
     ]
     lines += extra_lines(result)
-    lines += ["", "targets:"]
+    lines += ["", "targets:", TARGETS_NOTE]
     for t in result["targets"]:
-        met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {t['name']:<52} {t['target']:>7}  {fmt(t['measured'], '.3g'):>8}  {met}")
+        lines.append(f"  {t['name']:<52} {t['target']:>7}  {fmt(t['measured'], '.3g'):>8}  "
+                     f"{verdict(t['met'])}")
     lines.append(f"\nwall time {result['wall_s']:.1f} s, of which XLA compile "
                  f"{result['compile_total']['compile_s']:.1f} s; by section: "
                  + ", ".join(f"{k} {v:.0f} s" for k, v in result["section_wall_s"].items()))

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 import eqrope
-from _report import fmt, target, timing_head, timing_row
+from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
@@ -161,7 +161,7 @@ def table(result: dict) -> str:
               f"run: {all(m['rows_equal_own_adapter'])}", head]
     lines += [row(k, v) for k, v in m["timings"].items()]
     lines += ["", "targets:"]
-    lines += [f"  {x['name']:<55}{x['target']:>8}{fmt(x['measured']):>9}  {'met' if x['met'] else 'NOT met'}"
+    lines += [f"  {x['name']:<55}{x['target']:>8}{fmt(x['measured']):>9}  {verdict(x['met'])}"
               for x in result["targets"]]
     return "\n".join(lines)
 

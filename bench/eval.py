@@ -49,6 +49,7 @@ import numpy as np
 import eqrope
 import eqrope.eval
 from _bounds import weight_matrices
+from _report import TARGETS_NOTE, verdict
 from _timing import (
     _version,
     add_output_arguments,
@@ -416,11 +417,11 @@ def table(result: dict) -> str:
         f"{s['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s ({s['fraction_of_matmul']:.2f})",
         "",
         "targets:",
+        TARGETS_NOTE,
     ]
     for t in result["targets"]:
         lines.append(
-            f"  {t['name']:<48} {t['target']:>6}  {t['measured']:>8.3g}  "
-            f"{'met' if t['met'] else 'MISSED'}"
+            f"  {t['name']:<48} {t['target']:>6}  {t['measured']:>8.3g}  {verdict(t['met'])}"
         )
     lines.append(
         f"\nwall time {result['wall_s']:.0f} s, of which XLA compile "

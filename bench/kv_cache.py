@@ -14,7 +14,9 @@ ignored by git, so a run leaves the checkout clean; `--save` writes to the commi
    `cache.median_s`, `no_cache.median_s` and `speedup_median`;
 2. first call (`first_call`): where the seed protocol's first call goes (trace, lower,
    XLA compile, run), and the XLA compiles of new prompt lengths and `max_new` within
-   one cache length, with their time beside a repeat call;
+   one cache length, with their time beside a repeat call; and (`first_call.fresh`,
+   bench/first_call.py) the first call in a fresh process, cold and with JAX's
+   persistent compilation cache warm, beside the floor's cold one;
 3. the floor (`floor`): a minimal JAX decoder of the same architecture and arrays
    (`_floor.py`) with per-block weights and caches and a Python `for` over the blocks,
    timed beside `eqrope.generate` on the seed protocol, with the same decoder over
@@ -48,6 +50,7 @@ import jax
 import eqrope
 from _bounds import batch_matmul, roofline_in_generate
 from _first_call import depth_record, first_call_breakdown, new_lengths
+from first_call import seed_first_calls
 from _floor import floor_protocol
 from _long_cache import long_max_len_time, peak_memory
 from _protocols import SEED_MODEL, batch_protocol, growth_protocol, prefill_protocol, seed_protocol
@@ -74,7 +77,7 @@ MODES = {
         floor_repeats=20, long_max_len=131072, long_new=10, long_repeats=10,
         memory_max_len=2**20, memory_warm_ups=(256, 512), copy_call_bytes=2**30,
         bound_repeats=3, bound_batch=32,
-        depths=(2, 24),
+        depths=(2, 24), fresh_repeats=3,
     ),
     "full": dict(
         seed_new=100, seed_repeats=5,
@@ -88,7 +91,7 @@ MODES = {
         floor_repeats=50, long_max_len=131072, long_new=10, long_repeats=20,
         memory_max_len=2**20, memory_warm_ups=(256, 512), copy_call_bytes=2**30,
         bound_repeats=5, bound_batch=32,
-        depths=(2, 24),
+        depths=(2, 24), fresh_repeats=5,
     ),
     "tiny": dict(
         # The seed's model stands in for the growth model, so that the compiled programs
@@ -107,7 +110,7 @@ MODES = {
         floor_repeats=1, long_max_len=4096, long_new=8, long_repeats=1,
         memory_max_len=2**16, memory_warm_ups=(256,), copy_call_bytes=2**24,
         bound_repeats=1, bound_batch=2,
-        depths=(2, 3),
+        depths=(2, 3), fresh_repeats=1,
     ),
 }
 
@@ -149,6 +152,8 @@ def main(argv=None) -> dict:
     seed_model = eqrope.RotaryDecoder.from_config(SEED_MODEL, key=jax.random.PRNGKey(0))
     result["first_call"] = {"breakdown": first_call_breakdown(result["cache"]),
                             "new_lengths": new_lengths(cfg, seed_model)}
+    section("first call in a fresh process")
+    result["first_call"]["fresh"] = seed_first_calls(cfg["fresh_repeats"])
     section("floor")
     result["floor"] = floor_protocol(cfg, seed_model)
     section("long max_len")

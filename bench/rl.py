@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 import eqrope
-from _report import fmt, target, timing_head, timing_row
+from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
@@ -253,7 +253,7 @@ def table(result: dict) -> str:
                      f"{t['min_s']:>10.3f}-{t['max_s']:.3f}{t['first_compile']['compile_s']:>10.2f}"
                      f"{s['new_tokens_per_s']:>11.1f}{s['positions_per_s']:>9.0f}")
     lines += ["", "targets:"]
-    lines += [f"  {x['name']:<58}{x['target']:>8}{fmt(x['measured']):>9}  {'met' if x['met'] else 'NOT met'}"
+    lines += [f"  {x['name']:<58}{x['target']:>8}{fmt(x['measured']):>9}  {verdict(x['met'])}"
               for x in result["targets"]]
     lines.append(f"\nwall time {result['wall_s']:.0f} s; by section: "
                  + ", ".join(f"{k} {v:.0f} s" for k, v in result["section_wall_s"].items()))

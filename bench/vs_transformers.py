@@ -99,6 +99,7 @@ except ImportError:
 import _real_shapes  # imports torch: after the check above
 from _bounds import COPY_CONVENTION, copy_probe
 from _hf_profile import profile_step
+from _report import TARGETS_NOTE, verdict
 
 
 SEED_MODEL = dict(vocab_size=65, d_model=64, n_heads=4, n_blocks=2, max_len=256)
@@ -196,6 +197,9 @@ def measure(model, hf_model, prompt: np.ndarray, n: int, repeats: int, contender
         "loadavg_1min_before": os.getloadavg()[0],
     }
     fns = runners(model, hf_model, prompt, n, contenders)
+    # Progress: at the real shapes one row runs for minutes before its results are logged.
+    log(f"    timing {', '.join(fns)} at N={n}, batch {row['batch']}: a warm-up call each, then "
+        f"{repeats} round{'s' if repeats != 1 else ''} ...")
     timings = time_calls({**fns, **{name: call for name, (call, _) in also.items()}},
                          repeats=repeats, warmup=1)
     tokens = {}
@@ -327,9 +331,9 @@ def print_table(result: dict) -> None:
               f"{r['second_call']['growth_nbytes'] / mib:.0f} MiB) against "
               f"{r['weights_nbytes'] / mib:.0f} MiB of weights = {r['growth_over_weights']:.2f}x; "
               f"from_hf's own peak growth {r['load']['growth_nbytes'] / mib:.0f} MiB")
+    print(TARGETS_NOTE.strip())
     for t in result["targets"]:
-        verdict = "met" if t["met"] else "NOT met"
-        print(f"target: {t['target']}: measured {t['measured']:.2f}{t['unit']} -> {verdict}")
+        print(f"target: {t['target']}: measured {t['measured']:.2f}{t['unit']} -> {verdict(t['met'])}")
     for case in result["cases"]:
         if "profile" in case:
             p = case["profile"]

@@ -65,7 +65,8 @@ def test_explicit_max_len_pins_the_cache_and_caps_the_text():
     assert CACHE_ROWS == [64]
     np.testing.assert_array_equal(np.asarray(pinned), np.asarray(eqrope.generate(model, prompt(5), 7)))
     # A cache of 9 rows holds 9 positions: 5 of prompt and 4 new tokens.
-    short = eqrope.generate(model, prompt(5), 7, max_len=9)
+    with pytest.warns(eqrope.TruncationWarning, match="max_len=9 holds 4 new tokens"):
+        short = eqrope.generate(model, prompt(5), 7, max_len=9)
     assert short.shape == (9,)
     np.testing.assert_array_equal(np.asarray(short), np.asarray(pinned[:9]))
 

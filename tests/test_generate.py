@@ -546,25 +546,27 @@ def test_batch_rows_stop_at_eos_and_pad(model):
 
 
 def test_generation_stops_at_max_len(model):
-    prompt = random_ids(14, 20)
-    out = eqrope.generate(model, prompt, 10)  # 20 + 10 > max_len = 24
-    assert out.shape == (MAX_LEN,)
-    np.testing.assert_array_equal(
-        np.asarray(out), np.asarray(eqrope.generate(Uncached(model), prompt, 10))
-    )
-    full_prompt = random_ids(15, MAX_LEN)
-    np.testing.assert_array_equal(
-        np.asarray(eqrope.generate(model, full_prompt, 3)), np.asarray(full_prompt)
-    )
-    # In a batch, a row that reaches max_len stops while the others go on.
-    short = jnp.concatenate([prompt[:3], jnp.zeros(19, jnp.int32)])
-    batch = jnp.stack([full_prompt[:22], short, short])
-    gen = eqrope.generate(model, batch, 5, prompt_lengths=i32([22, 3, 3]), return_logprobs=True)
-    assert gen.tokens.shape == (3, MAX_LEN)
-    np.testing.assert_array_equal(np.asarray(gen.lengths), [MAX_LEN, 8, 8])
-    np.testing.assert_array_equal(
-        np.asarray(gen.tokens[0]), np.asarray(eqrope.generate(model, full_prompt[:22], 5))
-    )
+    # Every call asks for more tokens than fit: the cut is the point, and it warns.
+    with pytest.warns(eqrope.TruncationWarning):
+        prompt = random_ids(14, 20)
+        out = eqrope.generate(model, prompt, 10)  # 20 + 10 > max_len = 24
+        assert out.shape == (MAX_LEN,)
+        np.testing.assert_array_equal(
+            np.asarray(out), np.asarray(eqrope.generate(Uncached(model), prompt, 10))
+        )
+        full_prompt = random_ids(15, MAX_LEN)
+        np.testing.assert_array_equal(
+            np.asarray(eqrope.generate(model, full_prompt, 3)), np.asarray(full_prompt)
+        )
+        # In a batch, a row that reaches max_len stops while the others go on.
+        short = jnp.concatenate([prompt[:3], jnp.zeros(19, jnp.int32)])
+        batch = jnp.stack([full_prompt[:22], short, short])
+        gen = eqrope.generate(model, batch, 5, prompt_lengths=i32([22, 3, 3]), return_logprobs=True)
+        assert gen.tokens.shape == (3, MAX_LEN)
+        np.testing.assert_array_equal(np.asarray(gen.lengths), [MAX_LEN, 8, 8])
+        np.testing.assert_array_equal(
+            np.asarray(gen.tokens[0]), np.asarray(eqrope.generate(model, full_prompt[:22], 5))
+        )
 
 
 def test_remat_model_generates_the_same(model):

@@ -4,11 +4,13 @@ The public API is `eqrope.NAME`; the folders group it by concern: `model`, `gene
 `text`, `weights`, `training`, `adapters`, `rl`, `sharding` and `eval`.
 """
 
+from ._compilation_cache import use_compilation_cache as use_compilation_cache
 from .eval import Scores as Scores, score as score
 from .generation import (
     Generation as Generation,
     GenerationConfig as GenerationConfig,
     PromptLookup as PromptLookup,
+    TruncationWarning as TruncationWarning,
     generate as generate,
 )
 from .model import (

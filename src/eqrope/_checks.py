@@ -67,6 +67,35 @@ def check_bool(value, name: str) -> bool:
     return bool(value)
 
 
+def check_choice(value, name: str, choices: tuple[str, ...]) -> str:
+    """One of the strings `choices`; anything else (another string, a non-string) raises
+    a `ValueError` that lists them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+    return value
+
+
+def check_key(key, name: str = "key"):
+    """One PRNG key, as a typed key: `jax.random.key(seed)` as it is, raw `uint32` key
+    data (`jax.random.PRNGKey(seed)`) read with the default implementation (same bits).
+    Anything else raises a `TypeError` naming `name`."""
+    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+        raise TypeError(
+            f"{name} must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}."
+        )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise TypeError(f"{name} must be one PRNG key, got a key array of shape {key.shape}.")
+        return key
+    try:
+        return jax.random.wrap_key_data(key)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name} must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
+            f"got shape {key.shape} and dtype {key.dtype}."
+        ) from None
+
+
 _INT32 = np.iinfo(np.int32)
 
 
@@ -79,7 +108,7 @@ def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
     as an int32 tracer.
     """
     if isinstance(x, (list, tuple, int, np.integer)) and not isinstance(x, bool):
-        x = _python_ints(x, name)
+        x = _python_ints(x, name, hint)
     if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}.")
     if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
@@ -104,7 +133,7 @@ def as_int_array(x, name: str, *, ndim: int | tuple[int, ...], hint: str = ""):
     return values.astype(np.int32)
 
 
-def _python_ints(x, name: str) -> np.ndarray:
+def _python_ints(x, name: str, hint: str = "") -> np.ndarray:
     """A list (or scalar) of Python ints as an int64 array, or a clear error."""
     try:
         return np.asarray(x, dtype=np.int64) if _all_ints(x) else np.asarray(x)
@@ -112,6 +141,10 @@ def _python_ints(x, name: str) -> np.ndarray:
         raise ValueError(
             f"{name} holds integers outside the int32 range (too large even for int64); "
             "token ids, lengths and positions must fit in int32."
+        ) from None
+    except ValueError:  # NumPy's "inhomogeneous shape": rows of different lengths
+        raise ValueError(
+            f"{name} is a ragged list (its rows have different lengths), not an array.{hint}"
         ) from None
 
 

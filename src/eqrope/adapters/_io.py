@@ -159,7 +159,8 @@ def load_adapter(model: RotaryDecoder, path: str | os.PathLike) -> RotaryDecoder
 
     Raises `FileNotFoundError` for a missing file, and `ValueError` for an adapter saved
     for another base (naming the config fields that differ), a damaged file (a checksum
-    that does not match, arrays from another save) or arrays that do not fit.
+    that does not match, arrays from another save, a JSON file without its `"adapter"`
+    record or one of its keys, named with the file) or arrays that do not fit.
     """
     check_base(model, "eqrope.load_adapter")
     path = Path(path)
@@ -184,8 +185,7 @@ def load_adapter(model: RotaryDecoder, path: str | os.PathLike) -> RotaryDecoder
             "its config differs from this model's:\n  " + "\n  ".join(differences)
             + "\nLoad it onto the base it was trained on."
         )
-    settings = dict(record["adapter"])
-    settings["targets"] = tuple(settings["targets"])
+    settings = _settings_record(record, config_file)
     try:
         with safetensors.safe_open(str(arrays_file), framework="numpy") as f:
             metadata = f.metadata() or {}
@@ -202,6 +202,36 @@ def load_adapter(model: RotaryDecoder, path: str | os.PathLike) -> RotaryDecoder
             + "\n  ".join(problems) + "\nRestore both files from one eqrope.save_adapter."
         )
     return with_adapter_arrays(model, settings, arrays)
+
+
+_SETTINGS = ("rank", "alpha", "targets", "dropout", "rslora")
+_RESTORE = "Restore the file eqrope.save_adapter wrote."
+
+
+def _settings_record(record: dict, config_file: Path) -> dict:
+    """The `"adapter"` record of an adapter's JSON, the keywords of `lora`; a
+    `ValueError` naming the file and the key when it, or one of its keys, is missing."""
+    settings = record.get("adapter")
+    if not isinstance(settings, dict):
+        found = "missing" if settings is None else f"a {type(settings).__name__}, not an object"
+        raise ValueError(
+            f"eqrope.load_adapter: {config_file} has no \"adapter\" record ({found}); it holds "
+            f"the adapter's settings {{{', '.join(_SETTINGS)}}}. {_RESTORE}"
+        )
+    missing = [k for k in _SETTINGS if k not in settings]
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if missing or unknown:
+        raise ValueError(
+            f"eqrope.load_adapter: {config_file}: the \"adapter\" record "
+            + (f"lacks {', '.join(map(repr, missing))}" if missing else f"has unknown keys {unknown}")
+            + f"; it holds exactly {', '.join(_SETTINGS)}. {_RESTORE}"
+        )
+    if not isinstance(settings["targets"], list):
+        raise ValueError(
+            f"eqrope.load_adapter: {config_file}: \"adapter\".\"targets\" must be a list of "
+            f"target names, got {settings['targets']!r}."
+        )
+    return {**settings, "targets": tuple(settings["targets"])}
 
 
 def compare_arrays(arrays: dict, expected: dict, name=lambda n: repr(n)) -> list[str]:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_bool, check_float, check_int, check_key
 from ..model._decoder import RotaryDecoder
 from ..model._init import uniform_weight
 from ..weights._table import BY_PATH
@@ -71,7 +71,9 @@ def lora(
     The base arrays are `model`'s own (not copied).
 
     Raises `TypeError` / `ValueError` naming the argument: an unknown or missing target,
-    `rank < 1`, `alpha <= 0`, `dropout` outside `[0, 1)`, a model that already has adapters.
+    `rank < 1`, `alpha <= 0`, `dropout` outside `[0, 1)`, a bool or a string where a
+    number goes (and a number for `rslora`), a `key` that is not a PRNG key, a model that
+    already has adapters.
     """
     check_base(model, "eqrope.lora")
     rank = check_int(rank, "rank", minimum=1)
@@ -82,6 +84,7 @@ def lora(
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
     rslora = check_bool(rslora, "rslora")
+    key = check_key(key)
     config = model.config
     targets = check_targets(targets, config)
     keys = dict(zip(targets, jax.random.split(key, len(targets))))
@@ -111,8 +114,9 @@ def _replace_lora(model, fn):
 
 def merge(model: RotaryDecoder) -> RotaryDecoder:
     """A plain [`eqrope.RotaryDecoder`][] with each adapter added into its weight
-    (`W + scale * A @ B`, summed in float32): the adapted model's logits within float32
-    rounding, at the base model's cost. `eqrope.to_hf` and `eqrope.save` take it."""
+    (`W + scale * A @ B`, summed in float32, or in float64 for a float64 model): the
+    adapted model's logits within the rounding of the model's dtype, at the base model's
+    cost. `eqrope.to_hf` and `eqrope.save` take it."""
     check_adapted(model, "eqrope.merge")
     return _replace_lora(model, LoraWeight.merged)
 
@@ -126,7 +130,8 @@ def base_model(model: RotaryDecoder) -> RotaryDecoder:
 
 def unmerge(merged: RotaryDecoder, adapted: RotaryDecoder) -> RotaryDecoder:
     """The inverse of [`eqrope.merge`][]: `adapted`'s adapters over the base weights
-    `merged - scale * A @ B` (within float32 rounding of the base `adapted` had).
+    `merged - scale * A @ B` (summed as `merge` sums: within the rounding of float32,
+    or of float64 for a float64 model, of the base `adapted` had).
 
     `merged` is a plain `RotaryDecoder` of `adapted`'s config and layout, such as
     `eqrope.merge(adapted)` or that model after more full fine-tuning.
@@ -139,14 +144,8 @@ def unmerge(merged: RotaryDecoder, adapted: RotaryDecoder) -> RotaryDecoder:
             f"got layouts {merged.layout!r} and {adapted.layout!r}"
             + ("" if merged.config == adapted.config else " and different configs") + "."
         )
-    def base(w, m):
-        if not is_lora(w):
-            return m
-        weight = (m.astype(jnp.float32) - w.delta()).astype(m.dtype)
-        return eqx.tree_at(lambda x: x.weight, w, weight)
-
     # `adapted`'s structure with each LoraWeight as a leaf is a prefix of `merged`'s.
-    return jax.tree.map(base, adapted, merged, is_leaf=is_lora)
+    return jax.tree.map(lambda w, m: w.unmerged(m) if is_lora(w) else m, adapted, merged, is_leaf=is_lora)
 
 
 # -- the trainable arrays -------------------------------------------------------------------

@@ -13,7 +13,9 @@ import jax
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._log import compiling, shapes_of
 from ..training._loss import cross_entropy
+from ..training._step import check_loss_fn, check_opt_state, check_optimizer
 from ._lora import check_adapted, split_adapters
 from ._weight import is_lora, lora_weights
 
@@ -27,10 +29,17 @@ def init_adapter_optimizer(optimizer: optax.GradientTransformation, model) -> Py
     so that one optimizer with traced hyperparameters
     (`optax.inject_hyperparams(optax.adam)(learning_rate=lr)`) sweeps them.
     """
+    check_optimizer(optimizer, "eqrope.init_adapter_optimizer")
     check_adapted(model, "eqrope.init_adapter_optimizer")
     adapters, _ = split_adapters(model)
     with jax.numpy_dtype_promotion("standard"):
         return optimizer.init(adapters)
+
+
+ADAPTER_STATE = dict(
+    init="eqrope.init_adapter_optimizer",
+    other="eqrope.init_optimizer's state holds every weight, for eqrope.make_train_step",
+)
 
 
 def make_adapter_train_step(
@@ -43,7 +52,8 @@ def make_adapter_train_step(
     **Arguments:**
 
     - `optimizer`: an optax transformation; its state comes from
-      [`eqrope.init_adapter_optimizer`][].
+      [`eqrope.init_adapter_optimizer`][] (another state, such as
+      [`eqrope.init_optimizer`][]'s for every weight, raises a `TypeError` naming it).
     - `loss_fn`: `loss_fn(model, *batch)`, by default [`eqrope.cross_entropy`][].
 
     The step differentiates `loss_fn` with respect to the adapters' `A` and `B` arrays
@@ -58,9 +68,14 @@ def make_adapter_train_step(
     `eqx.filter_vmap(step, in_axes=(eqrope.adapter_axes(many), 0, None, None))` over
     adapters stacked by [`eqrope.stack_adapters`][] trains them all in one program.
     """
+    check_optimizer(optimizer, "eqrope.make_adapter_train_step")
+    check_loss_fn(loss_fn, "eqrope.make_adapter_train_step")
 
     @eqx.filter_jit
     def update(adapters, rest, opt_state, *batch, key, dropout):
+        compiling("adapters", "the adapter train step", shapes_of(batch), "batch shape or dtype")
+        check_opt_state(optimizer, adapters, opt_state, who="the adapter train step", **ADAPTER_STATE)
+
         def loss_of(adapters, *batch):
             model = eqx.combine(adapters, rest)
             return loss_fn(with_dropout_keys(model, key) if dropout else model, *batch)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
+from ..model._matmul import matmul
+
 
 class LowRank(eqx.Module):
     """One target's update `scale * (x A) B` (Hu et al. 2021, Eq. 3).
@@ -105,7 +107,7 @@ class LoraWeight(eqx.Module):
                 f"LoraWeight {self.path} holds stacked blocks (weight shape "
                 f"{self.weight.shape}); it is applied block by block, inside the model."
             )
-        out = x @ self.weight
+        out = matmul(x, self.weight)  # the unadapted layer's own product, bit for bit
         if self.key is not None and any(p is not None and p.dropout > 0 for p in self.parts):
             # Training with dropout: each part draws its own mask, as PEFT's modules do.
             deltas = [
@@ -143,19 +145,37 @@ class LoraWeight(eqx.Module):
         join = lambda xs, axis: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis)  # noqa: E731
         return join(a, -1), join(b, -2)
 
+    @property
+    def fixed_rows(self) -> int | None:
+        """The rows this weight's model must run on (`jax.vmap` over exactly that many),
+        `len(adapter_ids)` after [`eqrope.select_adapters`][]; `None` for any number."""
+        return None if self.rows is None else self.rows.shape[-1]
+
+    @property
+    def sum_dtype(self):
+        """The dtype merging sums in: float32, or the weight's own if wider (float64)."""
+        dtype = jnp.dtype(self.weight.dtype)
+        return dtype if dtype.itemsize > 4 else jnp.dtype(jnp.float32)
+
     def delta(self) -> Float[Array, "*blocks d_in d_out"]:
-        """The dense update of the whole weight in float32, zero on parts without an adapter."""
+        """The dense update of the whole weight in `sum_dtype`, zero on parts without an
+        adapter."""
         if self.rows is not None:
             raise ValueError(
                 f"LoraWeight {self.path} holds several adapters chosen per row; take one "
                 "with eqrope.take_adapter before merging."
             )
-        a, b = self.factors(jnp.float32)
+        a, b = self.factors(self.sum_dtype)
         return a @ b
 
     def merged(self) -> Float[Array, "*blocks d_in d_out"]:
-        """`weight + delta()`, summed in float32 and cast back to the weight's dtype."""
-        return (self.weight.astype(jnp.float32) + self.delta()).astype(self.weight.dtype)
+        """`weight + delta()`, summed in `sum_dtype` and cast back to the weight's dtype."""
+        return (self.weight.astype(self.sum_dtype) + self.delta()).astype(self.weight.dtype)
+
+    def unmerged(self, merged: Float[Array, "*blocks d_in d_out"]) -> "LoraWeight":
+        """This weight over the base `merged - delta()` (summed in `sum_dtype`)."""
+        base = (merged.astype(self.sum_dtype) - self.delta()).astype(merged.dtype)
+        return eqx.tree_at(lambda w: w.weight, self, base)
 
 
 def is_lora(x) -> bool:

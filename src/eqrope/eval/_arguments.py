@@ -8,6 +8,7 @@ from .._checks import as_int_array, check_int, check_vocab, is_concrete
 from ..generation._request_checks import has_cache_protocol
 from ..sharding._mesh import mesh_size
 from ..sharding._rules import ShardingRules
+from ._windows import adapted_rows
 
 
 def row_multiple(mesh, rules) -> int:
@@ -44,12 +45,25 @@ def check_arguments(model, tokens, prompt_lengths, lengths, prefix, window, stri
                 f"`ids -> logits` such as eqrope.RotaryDecoder); got {type(model).__name__}."
             )
     ids = np.asarray(
-        as_int_array(tokens, "tokens", ndim=(1, 2), hint=" Use (seq,) or (batch, seq).")
+        as_int_array(
+            tokens,
+            "tokens",
+            ndim=(1, 2),
+            hint=" Use (seq,) or (batch, seq), each row padded on the right to one width, with "
+            "lengths= giving each row's real length.",
+        )
     )
     ids = ids[None] if ids.ndim == 1 else ids
     batch, seq = ids.shape
     if batch == 0 or seq == 0:
         raise ValueError(f"tokens is empty (shape {np.shape(tokens)}); pass at least one token.")
+    adapted = adapted_rows(model)
+    if adapted is not None and adapted != batch:
+        raise ValueError(
+            f"the model's adapters are chosen for {adapted} rows (eqrope.select_adapters), "
+            f"but tokens has {batch}; pass one row of tokens per adapter id, or score with "
+            "eqrope.take_adapter(...) for one adapter."
+        )
     lengths = _per_row(lengths, "lengths", batch, seq)
     if ((lengths < 1) | (lengths > seq)).any():
         raise ValueError(
@@ -129,7 +143,8 @@ def _per_row(value, name: str, batch: int, seq: int) -> np.ndarray:
     if value is None:
         return np.full((batch,), seq, np.int32)
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-        return np.full((batch,), check_int(value, name), np.int32)
+        # Range-checked as int32 before the cast (`np.full` would overflow).
+        return np.full((batch,), as_int_array(check_int(value, name), name, ndim=0), np.int32)
     values = np.asarray(as_int_array(value, name, ndim=(0, 1)))
     if values.ndim == 0:
         return np.full((batch,), int(values), np.int32)

@@ -27,14 +27,15 @@ import lm_eval.models  # noqa: F401
 from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
-from .._checks import check_int
+from .._checks import check_bool, check_int
 from ..model import count_params
-from ..sharding._mesh import mesh_size
 from ..sharding._rules import ShardingRules
 from ..text import Tokenizer
 from ..weights import from_hf
 from . import _lm_requests
+from ._arguments import row_multiple
 from ._buckets import bucket, rows_that_fit
+from ._windows import adapted_rows
 
 
 eval_logger = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class LM(TemplateLM):
 
     - `pretrained`: a Hugging Face checkpoint directory (read with [`eqrope.from_hf`][]
       and [`eqrope.Tokenizer.from_pretrained`][]), or a model in memory, such as a
-      [`eqrope.RotaryDecoder`][] being trained (then pass `tokenizer`).
+      [`eqrope.RotaryDecoder`][] being trained (then pass `tokenizer`); not one whose
+      adapters are chosen per row ([`eqrope.select_adapters`][]), since lm-eval's requests
+      are not the rows of one batch.
     - `tokenizer`: a directory, an [`eqrope.Tokenizer`][], or `None` for `pretrained`'s.
     - `dtype`: the model's dtype when read (`"float32"`, `"bfloat16"`, ...); `None` or
       `"auto"` keeps the checkpoint's.
@@ -114,6 +117,12 @@ class LM(TemplateLM):
                 "dtype= converts a checkpoint as it is read; convert a model in memory yourself."
             )
         model = pretrained if in_memory else from_hf(pretrained, dtype=dtype)
+        if adapted_rows(model) is not None:
+            raise ValueError(
+                "pretrained is a model whose adapters are chosen per row "
+                "(eqrope.select_adapters), but lm-eval's requests are not rows of one batch; "
+                "pass one adapter, eqrope.take_adapter(many, i), and evaluate each in turn."
+            )
         self._device = _pick_device(device)
         if self._device is not None:
             model = jax.device_put(model, self._device)
@@ -150,10 +159,19 @@ class LM(TemplateLM):
             64 if max_batch_size is None else max_batch_size, "max_batch_size", minimum=1
         )
         self.batch_sizes = {}  # the sizes "auto" chose, by request type (lm-eval reports them)
-        self.custom_prefix_token_id = prefix_token_id
-        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = check_int(
+            prefix_token_id, "prefix_token_id", minimum=0, none=True
+        )
+        if prefix_token_id is not None and prefix_token_id >= model.vocab_size:
+            raise ValueError(
+                f"prefix_token_id={prefix_token_id} is outside the model's vocabulary "
+                f"[0, {model.vocab_size}); pass a token id of its tokenizer, or None (BOS)."
+            )
+        self.add_bos_token = None if add_bos_token is None else check_bool(
+            add_bos_token, "add_bos_token"
+        )
         self.mesh, self.rules = mesh, rules
-        self._multiple = 1 if mesh is None else mesh_size(mesh, (rules or ShardingRules()).batch)
+        self._multiple = row_multiple(mesh, rules)
         self._key = jax.random.key(check_int(seed, "seed"))
         self._draws = 0
 

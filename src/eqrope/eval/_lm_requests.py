@@ -160,13 +160,17 @@ def generate_until(lm, requests, disable_tqdm: bool = False) -> list[str]:
         settings = _generation_settings(lm, gen_kwargs, eos_text)
         until, max_new = settings.pop("until"), settings.pop("max_new")
         keep = lm.max_length - max_new
+        # An empty string is in every text: the hf model's stopping criterion (is the stop
+        # string in the new text?) ends every row after its first token, whose text its
+        # cut keeps (it skips ''). The context is cut to leave room for max_new alike.
+        steps = 1 if "" in until else max_new
         prompts = {i: lm.tok_encode(requests[i].args[0])[-keep:] for i in members}
         order = sorted(members, key=lambda i: (-len(prompts[i]), requests[i].args[0]))
         # One cache length for the group (the longest prompt's), so one program.
-        settings["max_len"] = cache_rows(len(prompts[order[0]]), max_new, lm.model.max_len, None)
+        settings["max_len"] = cache_rows(len(prompts[order[0]]), steps, lm.model.max_len, None)
         for begin in range(0, len(order), per_pass):
             batch = order[begin : begin + per_pass]
-            texts = _generate(lm, [prompts[i] for i in batch], until, max_new, settings, per_pass)
+            texts = _generate(lm, [prompts[i] for i in batch], until, steps, settings, per_pass)
             for i, text in zip(batch, texts):
                 results[i] = text
                 lm.cache_hook.add_partial("generate_until", requests[i].args, text)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from .._log import compiling
 from ..generation._arrays import rebuild, split_model
 from ..model import RotaryDecoder
 from ..sharding._rules import constrain, shard_batch
@@ -28,6 +29,8 @@ def plain_pass(model, inputs, targets, lo, hi, *, mesh=None, rules=None):
 
 @functools.partial(jax.jit, static_argnames=("structure", "mesh", "rules"))
 def plain_program(arrays, inputs, targets, lo, hi, *, structure, mesh, rules):
+    rows, width = inputs.shape
+    compiling("eval", "score", f"{rows} rows x {width} tokens", "rows or length bucket")
     model = rebuild(arrays, structure)
     logits = jax.vmap(functools.partial(_logits, model))(inputs)
     return constrain(token_scores(logits, targets, lo, hi), mesh, rules)

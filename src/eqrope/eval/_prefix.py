@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._log import compiling
 from ..generation._arrays import rebuild, split_model
 from ..sharding._rules import constrain, shard_batch
 from ._buckets import MIN_CONTINUATION_BUCKET, bucket, round_up
@@ -81,49 +82,79 @@ def _group_pass(model, groups, chunk, n_groups: int, width: int, mesh, rules):
     c = bucket(
         max(len(r.ids) for _, _, part in chunk for r in part), max_len, MIN_CONTINUATION_BUCKET
     )
+    # Room for the prefix and the rows, at most max_len: the prefix's write (rows
+    # `0 .. p - 1`) fits, as `p <= max_len`, and the rows' writes fit as placed below.
+    cache_len = min(p + c, max_len)
     prefix = np.zeros((n_groups, p), np.int32)
     starts = np.zeros((n_groups,), np.int32)
     inputs = np.zeros((n_groups, width, c), np.int32)
     targets = np.zeros((n_groups, width, c), np.int32)
     lo = np.zeros((n_groups, width), np.int32)
     hi = np.zeros((n_groups, width), np.int32)
+    shifts = np.zeros((n_groups,), np.int32)
     for j, (g, _, part) in enumerate(chunk):
         context = groups[g].prefix
-        starts[j] = len(context) - 1
-        prefix[j, : starts[j]] = context[:-1]
+        prefix[j, : len(context) - 1] = context[:-1]
+        # The rows' pass writes cache rows `start .. start + c - 1`, which must lie inside
+        # the cache: `jax.lax.dynamic_update_slice` would move a write past the end back
+        # over the prefix's last rows (an unstacked model's pass then reads them). Where
+        # `len(context) - 1 + c` passes the cache, the pass starts `shift` tokens earlier,
+        # on the prefix's own last tokens: it rewrites their cache rows with the same keys
+        # and values, and their scores are dropped. It fits, since every row of a group
+        # fits the model (`len(context) + n <= max_len + 1`, checked by the callers).
+        shifts[j] = max(0, len(context) - 1 + c - cache_len)
+        starts[j] = len(context) - 1 - shifts[j]
+        lead = context[len(context) - 1 - shifts[j] :]  # the shifted tokens, then the last
         for k, row in enumerate(part):
-            n = len(row.ids)
-            inputs[j, k, 0] = context[-1]
-            inputs[j, k, 1:n] = row.ids[:-1]
-            targets[j, k, :n] = row.ids
-            lo[j, k], hi[j, k] = row.first, n
+            n = len(row.ids) + shifts[j]
+            if n > c:  # the callers refuse such rows first
+                raise ValueError(
+                    f"a prefix of {len(context)} tokens and a row of {len(row.ids)} hold more "
+                    f"than max_len + 1 = {max_len + 1} tokens; shorten the prefix or the row."
+                )
+            inputs[j, k, : len(lead)] = lead
+            inputs[j, k, len(lead) : n] = row.ids[:-1]
+            targets[j, k, : shifts[j]] = lead[1:]
+            targets[j, k, shifts[j] : n] = row.ids
+            lo[j, k], hi[j, k] = shifts[j] + row.first, n
     arrays = (prefix, starts, inputs, targets, lo, hi)
     if mesh is not None:
         arrays = shard_batch(arrays, mesh, rules)
     model_arrays, structure = split_model(model)
-    out = _group_program(model_arrays, *arrays, structure=structure, mesh=mesh, rules=rules)
+    out = _group_program(
+        model_arrays, *arrays, cache_len=cache_len, structure=structure, mesh=mesh, rules=rules
+    )
     logprobs, greedy = (np.asarray(x) for x in out)
     for j, (g, first_row, part) in enumerate(chunk):
         for k, row in enumerate(part):
-            n = len(row.ids)
-            yield (g, first_row + k), logprobs[j, k, :n], greedy[j, k, :n]
+            scored = slice(shifts[j], shifts[j] + len(row.ids))
+            yield (g, first_row + k), logprobs[j, k, scored], greedy[j, k, scored]
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "mesh", "rules"))
-def _group_program(arrays, prefix, starts, inputs, targets, lo, hi, *, structure, mesh, rules):
-    """Prefill each group's prefix into a cache, then run each of its rows against it.
+@functools.partial(jax.jit, static_argnames=("cache_len", "structure", "mesh", "rules"))
+def _group_program(
+    arrays, prefix, starts, inputs, targets, lo, hi, *, cache_len, structure, mesh, rules
+):
+    """Prefill each group's prefix into a cache of `cache_len` rows, then run each of its
+    rows against it.
 
-    `prefix (groups, p)`: every token of the prefix but its last; `starts (groups,)`: how
-    many (the cache rows the rows see). `inputs (groups, n, c)`: the prefix's last token,
-    then the row's tokens but its last, at positions `starts ..`; `targets`: the row's
-    tokens.
+    `prefix (groups, p)`: every token of the prefix but its last; `starts (groups,)`: the
+    position of each group's rows pass (the cache rows it sees), at most the prefix's
+    length less one, and `starts + c <= cache_len`. `inputs (groups, n, c)`: the tokens the pass
+    reads from `starts` on (the prefix's last tokens from `starts`, then the row's tokens
+    but its last); `targets`: each input's next token.
     """
+    groups, n, c = inputs.shape
+    compiling(
+        "eval",
+        "score",
+        f"{groups} groups x {n} rows x {c} tokens after a prefix of {prefix.shape[1]}",
+        "rows, prefix or length bucket",
+    )
     model = rebuild(arrays, structure)
-    # Room for the rows' writes too (which nothing reads: XLA drops them).
-    rows = min(prefix.shape[1] + inputs.shape[2], model.max_len)
 
     def prefill(ids):
-        cache = model.init_cache(max_len=rows)
+        cache = model.init_cache(max_len=cache_len)
         if prefix.shape[1] == 0:
             return cache
         return model.prefill(ids, cache, 0, check=False)[1]

@@ -24,7 +24,7 @@ from jaxtyping import Bool, Float
 from ..sharding._rules import ShardingRules
 from ._arguments import check_arguments, row_multiple
 from ._prefix import Continuation, Group, run_groups
-from ._windows import rolling_windows, run_pieces
+from ._windows import adapted_rows, rolling_windows, run_pieces
 
 
 class Scores(eqx.Module):
@@ -66,7 +66,9 @@ def score(
 
     - `model`: a causal model `ids (seq,) -> logits (seq, vocab)` with integer `max_len`
       and `vocab_size` attributes, such as [`eqrope.RotaryDecoder`][] or a wrapper around
-      one; a `prefix` needs the cache protocol (`init_cache`, `prefill`).
+      one; a `prefix` needs the cache protocol (`init_cache`, `prefill`). With adapters
+      chosen per row ([`eqrope.select_adapters`][]), row `i` scores with adapter `ids[i]`
+      (the passes reorder the adapters with the rows), and `tokens` has one row per id.
     - `tokens`: `(batch, seq)` token ids, each row padded on the right, or `(seq,)` for
       one row.
     - `prompt_lengths`: for each row, how many of its first tokens are context only: the
@@ -79,7 +81,8 @@ def score(
       cache and every row runs against it, so `p` tokens are computed once instead of once
       per row (the choices of a multiple-choice question). Row `i` then scores as
       `score(model, prefix + row_i, prompt_lengths=p + prompt_lengths[i])` does, up to
-      float rounding.
+      float rounding. (With adapters chosen per row, each row's adapter changes the
+      prefix's keys: each row then runs that way, with the prefix written in.)
     - `window`: the most tokens one pass reads (default `model.max_len`). A row scores
       in one pass when `lengths[i] <= window + 1` (its last token is only predicted, never
       read); longer rows need `stride`.
@@ -103,14 +106,22 @@ def score(
     whatever the model's dtype.
 
     Raises `ValueError`, naming the argument, for an empty continuation
-    (`prompt_lengths[i] >= lengths[i]`), a token id outside the vocabulary, and rows that
-    do not fit one pass without `stride`.
+    (`prompt_lengths[i] >= lengths[i]`), a token id outside the vocabulary, rows that
+    do not fit one pass without `stride`, lengths outside int32, a ragged list of rows,
+    and rows that do not match a model's adapters chosen per row.
     """
     checked = check_arguments(
         model, tokens, prompt_lengths, lengths, prefix, window, stride, batch_size
     )
     ids, lengths, firsts, prefix, window, stride, batch_size = checked
     multiple = row_multiple(mesh, rules)
+    lead = 0
+    if prefix is not None and adapted_rows(model) is not None:
+        # Each row's adapter changes the prefix's keys too, so no prefill is shared: each
+        # row reads the prefix written in (`_arguments` checked that it fits one pass).
+        lead = prefix.shape[0]
+        ids = np.concatenate([np.broadcast_to(prefix, (ids.shape[0], lead)), ids], axis=1)
+        lengths, firsts, prefix = lengths + lead, firsts + lead, None
     batch, seq = ids.shape
     logprobs = np.zeros((batch, seq), np.float32)
     greedy = np.zeros((batch, seq), bool)
@@ -139,6 +150,9 @@ def score(
             model, [group], rows=batch_size or batch, multiple=multiple, mesh=mesh, rules=rules
         ):
             logprobs[index, : lengths[index]], greedy[index, : lengths[index]] = lp, gr
+    if lead:
+        logprobs, greedy = logprobs[:, lead:], greedy[:, lead:]
+        lengths, firsts, seq = lengths - lead, firsts - lead, seq - lead
     total = logprobs.sum(axis=-1, dtype=np.float32)
     scored = np.arange(seq)[None, :] >= firsts[:, None]
     scored &= np.arange(seq)[None, :] < lengths[:, None]

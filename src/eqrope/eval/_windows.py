@@ -1,12 +1,16 @@
 """Rolling windows: a row longer than one pass is cut into windows of `window + 1` tokens
-whose ends advance by `stride` (each token scored once), and pieces run in plain passes.
+whose ends advance by `stride` (each token scored once), and pieces run in plain passes,
+each row of a pass with its own adapter where they are chosen per row.
 """
 
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
+import jax
 import numpy as np
 
+from ..adapters._weight import is_lora, lora_weights
 from ._buckets import bucket, round_up
 from ._plain import plain_pass
 
@@ -77,8 +81,34 @@ def run_pieces(
             inputs[j, :n] = ids[p.row][p.start : p.last]
             targets[j, :n] = ids[p.row][p.start + 1 : p.last + 1]
             lo[j], hi[j] = p.first - p.start - 1, n
-        logprobs, greedy = plain_pass(model, inputs, targets, lo, hi, mesh=mesh, rules=rules)
+        # Row j of the pass reads a piece of row `chunk[j].row` (the pads, of row 0).
+        owners = [p.row for p in chunk] + [0] * (rows - len(chunk))
+        adapted = adapters_of_rows(model, np.asarray(owners, np.int32))
+        logprobs, greedy = plain_pass(adapted, inputs, targets, lo, hi, mesh=mesh, rules=rules)
         for j, p in enumerate(chunk):
             yield p, logprobs[j, lo[j] : hi[j]], greedy[j, lo[j] : hi[j]]
         if on_pass is not None:
             on_pass(len(chunk))
+
+
+def adapted_rows(model) -> int | None:
+    """The rows of the batch `model`'s adapters are chosen for
+    ([`eqrope.select_adapters`][]), or `None` where they are not chosen per row."""
+    return next((w.rows.shape[-1] for w in lora_weights(model) if w.rows is not None), None)
+
+
+def adapters_of_rows(model, owners: np.ndarray):
+    """`model` for a pass whose row `j` is (a piece of) row `owners[j]` of the batch: where
+    its adapters are chosen per row, row `j` gets the adapter of row `owners[j]`, so that
+    reordering, padding or splitting the rows into passes keeps each row with its adapter.
+    Any other model is returned as it is. The assignment is an array: a new one compiles
+    nothing."""
+    if adapted_rows(model) is None:
+        return model
+
+    def reassign(w):
+        if not is_lora(w) or w.rows is None:
+            return w
+        return eqx.tree_at(lambda x: x.rows, w, w.rows[..., owners])  # stacked: (blocks, rows)
+
+    return jax.tree.map(reassign, model, is_leaf=is_lora)

@@ -3,7 +3,7 @@
 Sampling, logits processors, stop sequences and streaming sit beside it; `speculative/` drafts.
 """
 
-from ._generate import generate as generate
+from ._generate import TruncationWarning as TruncationWarning, generate as generate
 from ._result import Generation as Generation
 from ._generation_config import GenerationConfig as GenerationConfig
 from .speculative import PromptLookup as PromptLookup

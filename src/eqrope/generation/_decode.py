@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
+from .._log import compiling_generate
 from ..model import KVCache
 from ..sharding._rules import constrain, shard_batch
 from ._arrays import for_decoding, rebuild, split_model
@@ -86,6 +87,7 @@ def generate_cached(model, *args, **static):
     ),
 )
 def generate_program(arrays, *args, structure, **static):
+    compiling_generate("generate", args[0], **static)  # once per trace, that is per compile
     return decode_program(rebuild(arrays, structure), *args, **static)
 
 

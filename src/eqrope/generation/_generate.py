@@ -7,15 +7,40 @@ the result, `_result.py`.
 """
 
 from collections.abc import Callable, Sequence
+from typing import Any, Literal, overload
 
-from jaxtyping import ArrayLike
+from jaxtyping import Array, ArrayLike, Int
 
+from .._log import warn
 from ._decode import run_cached
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
-from ._request import parse_request
-from ._result import finish
+from ._hf_generation_config import refuse_hf_keywords
+from ._request import Request, parse_request
+from ._result import Generation, finish
 from ._uncached import generate_uncached
 from .speculative._round import run_speculative
+
+
+class TruncationWarning(UserWarning):
+    """`generate` was asked for more new tokens than the call's cache holds after the
+    prompt: the text stops at the cache's last position. Pass a `max_new` that fits (the
+    warning says how many) to silence it."""
+
+
+# The types an editor sees: tokens, or a `Generation` with `return_logprobs=True`.
+@overload
+def generate(
+    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: Literal[False] = ...,
+    **settings: Any,
+) -> Int[Array, "*batch total"]: ...
+@overload
+def generate(
+    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: Literal[True], **settings: Any
+) -> Generation: ...
+@overload
+def generate(
+    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: bool, **settings: Any
+) -> Int[Array, "*batch total"] | Generation: ...
 
 
 def generate(
@@ -46,10 +71,11 @@ def generate(
     accept: str | None = None,
     return_logprobs: bool = False,
     check_finite: bool = True,
-    prefill_chunk: int = 64,
+    prefill_chunk: int | Literal["auto"] = "auto",
     mesh=None,
     rules=None,
-):
+    **unknown,
+) -> Int[Array, "*batch total"] | Generation:
     """Generate up to `max_new` tokens after `prompt`.
 
     **Arguments:**
@@ -65,6 +91,8 @@ def generate(
     - `prompt`: `(seq,)` token ids, or `(batch, seq)` for a batch.
     - `max_new`: the most tokens to add. Generation also stops when the text fills the
       cache (`max_len` positions), and, per row, after an `eos_id` or a `stop` sequence.
+      A `max_new` that does not fit in the cache after the longest prompt warns with an
+      [`eqrope.TruncationWarning`][] that says how many fit.
     - `config`: an [`eqrope.GenerationConfig`][] holding the settings below (`max_new`
       to `pad_id`); each of them not passed here takes the config's value, and without a
       config the defaults of `GenerationConfig()` (greedy, nothing else), shown in the
@@ -73,8 +101,10 @@ def generate(
       compiles once per value. `None` picks the smallest power of two (at least 16) that
       holds the prompt and `max_new` tokens, capped at the model's `max_len`, so a short
       job on a model built for 131072 positions allocates a short cache; a new power of
-      two compiles a new program. `max_len=model.max_len` pins one program for every
-      call (and lets generation run to the model's last position).
+      two compiles a new program (each compile is logged at INFO on the
+      `eqrope.generation` logger, with its batch and cache length).
+      `max_len=model.max_len` pins one program for every call (and lets generation run
+      to the model's last position).
     - `temperature`, `top_k`, `top_p`, `min_p`: sampling; `temperature=0` (the default) is
       greedy. The logits are divided by the temperature, then truncated by top-k, top-p,
       then min-p (transformers' order); `None` turns a filter off.
@@ -136,7 +166,8 @@ def generate(
       compiled loop it costs one reduction per step: such a row stops and is flagged, and
       `generate` raises when the program returns. `False` skips the check.
     - `prefill_chunk`: the prompt is prefilled in chunks of this many tokens; only chunks
-      that hold prompt tokens run.
+      that hold prompt tokens run. `"auto"` picks one size per cache length: a quarter of
+      the call's cache rows, between 16 and 64.
     - `mesh`, `rules`: run a model placed with `eqrope.shard(model, mesh, rules)` on that
       device mesh (cached path only). The prompt rows, their lengths and keys are placed
       on the `batch` rule's mesh axis, and the cache is held with the sharding
@@ -158,14 +189,18 @@ def generate(
     `stop` or `pad_id` outside the vocabulary, an id both banned and an EOS, `bad_ids`
     that leave no token (also counting the EOS ids while `min_new` masks them); a
     sampling temperature without `key`; a `draft` that does not fit the model; `rules`
-    without `mesh`; `on_token` that is not a function, or with `jax.grad` or `mesh`.
-    An exception raised by `on_token`, `KeyboardInterrupt` included, is raised by
-    `generate` itself once the program returns.
+    without `mesh`; `on_token` that is not a function, or with `jax.grad` or `mesh`; a
+    keyword of transformers' `generate` (`max_new_tokens`, `do_sample`,
+    `num_return_sequences`, ...), with a `TypeError` that names eqrope's (the table of
+    docs/generation.md), and any other unknown keyword. An exception raised by
+    `on_token`, `KeyboardInterrupt` included, is raised by `generate` itself once the
+    program returns.
 
     The cached path is differentiable: `jax.grad` of `generate(...).logprobs.sum()` with
     respect to the model's floating-point arrays gives the policy gradient of the sampled
     text (the tokens themselves are not differentiable).
     """
+    refuse_hf_keywords(unknown, "generate", unknown=True)
     settings = resolve(
         config,
         dict(
@@ -180,8 +215,26 @@ def generate(
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
     )  # fmt: skip
+    _warn_if_cut(settings.max_new, request, max_len)
     outputs = _PROGRAMS[request.program](model, request)
     return finish(request, outputs, return_logprobs)
+
+
+def _warn_if_cut(max_new: int | None, request: Request, max_len: int | None) -> None:
+    """Warn when the cache stops a row before its `max_new` tokens (the cut is documented,
+    but a newcomer's `generate(model, prompt, 300)` on a 256-position model is a slip)."""
+    longest = int(request.lengths.max())
+    fits = request.max_len - longest
+    if max_new is None or max_new <= fits:  # (None is refused by parse_request)
+        return
+    cache = f"max_len={max_len}" if max_len is not None else f"the model's max_len ({request.max_len})"
+    prompt = f"{'longest ' if request.prompt.shape[0] > 1 else ''}prompt of {longest}"
+    warn(
+        f"generate: max_new={max_new}, but {cache} holds {fits} new token{'s' * (fits != 1)} "
+        f"after the {prompt}, so {max_new - fits} will not be generated. Pass max_new <= "
+        f"{fits} to silence this.",
+        TruncationWarning,
+    )
 
 
 # Each runs its compiled program (or the reference loop) and returns its `Outputs`.

@@ -58,6 +58,44 @@ _READ = {
 }  # fmt: skip
 
 
+# transformers' keywords of `generate` that eqrope spells differently, with what to do
+# instead: the fields of generation_config.json that eqrope reads (`_READ`) under their
+# eqrope names, a few keywords no file holds, and the unimplemented fields (`_UNSUPPORTED`).
+_KEYWORDS = {
+    **{k: f"eqrope's is {v}" for k, v in _READ.items() if v is not None and v != k},
+    "do_sample": "eqrope samples when temperature > 0 (pass key=jax.random.key(...)); "
+    "temperature=0, the default, is greedy",
+    "max_length": "pass max_new (the new tokens); max_len is the cache rows, which bound the text",
+    "input_ids": "pass the prompt as generate's second argument",
+    "attention_mask": "pass prompt_lengths (the rows right-padded)",
+    "generation_config": "pass config=eqrope.GenerationConfig(...)",
+    "streamer": "pass on_token=function(row, position, token), or use generate_text(..., stream=True)",
+    "assistant_model": "pass draft=small_model",
+    "output_scores": "pass return_logprobs=True",
+    "output_logits": "pass return_logprobs=True (its .model_logprobs)",
+    "return_dict_in_generate": "pass return_logprobs=True",
+    **{k: "eqrope does not implement it" for k in _UNSUPPORTED},
+    **_INSTEAD,
+}  # fmt: skip
+
+
+def refuse_hf_keywords(given, who: str, *, unknown: bool = False) -> None:
+    """Raise a `TypeError` for a keyword of transformers' `generate` among the names
+    `given`, saying what eqrope takes instead; with `unknown=True`, for any name (those
+    of a function's `**unknown`), as Python would."""
+    for name in given:
+        if name in _KEYWORDS:
+            raise TypeError(
+                f"{who}() got {name}=, a keyword of transformers' generate: {_KEYWORDS[name]}. "
+                "docs/generation.md (\"eqrope's keywords against transformers'\") maps each."
+            )
+        if unknown:
+            raise TypeError(
+                f"{who}() got an unexpected keyword argument {name!r} (docs/generation.md maps "
+                "transformers' keywords to eqrope's)."
+            )
+
+
 def _same(value, neutral) -> bool:
     """`value == neutral`, where a bool equals only a bool (`1` is not `True`) and a
     number any equal number (`1` is `1.0`)."""

@@ -14,6 +14,7 @@ from .._checks import check_int, is_concrete
 from ._generation_config import GenerationConfig
 from ._request_checks import (
     _check_draft,
+    _check_fixed_rows,
     _check_ids,
     _check_key,
     _check_prompt,
@@ -21,6 +22,7 @@ from ._request_checks import (
     _padded,
     has_cache_protocol,
 )
+from ._prefill import prefill_piece
 from ._sampling import Sampling
 from ._stopping import stop_table
 
@@ -123,7 +125,7 @@ def parse_request(
     draft_len=None,
     accept=None,
     check_finite=True,
-    prefill_chunk=64,
+    prefill_chunk="auto",
     mesh=None,
     rules=None,
 ) -> Request:
@@ -142,6 +144,7 @@ def parse_request(
     model_max_len = _max_len(model)
     vocab = getattr(model, "vocab_size", None)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
+    _check_fixed_rows(model, batched, prompt.shape)
     if settings.max_new is None:
         raise ValueError(
             "generate needs max_new, the most new tokens per row: pass max_new=..., or a "
@@ -191,7 +194,10 @@ def _check_program(request, model, draft, draft_len, accept, check_finite, chunk
         if mesh is not None:
             raise ValueError("mesh is only for models with the cache protocol.")
         return dataclasses.replace(request, check_finite=bool(check_finite))
-    chunk = min(check_int(chunk, "prefill_chunk", minimum=1), request.max_len)
+    if isinstance(chunk, str) and chunk == "auto":
+        chunk = prefill_piece(request.max_len)
+    else:
+        chunk = min(check_int(chunk, "prefill_chunk", minimum=1), request.max_len)
     # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
     differentiable = not all(map(is_concrete, jax.tree.leaves((model, draft))))
     if draft is not None:

@@ -5,10 +5,9 @@ ids below the vocabulary, the key, and the draft. `_request.py` gathers their re
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .._checks import as_int_array, check_int, check_vocab
+from .._checks import as_int_array, check_int, check_key, check_vocab
 from ._generation_config import GenerationConfig
 from ._settings import token_id
 from .speculative._acceptance import RULES
@@ -177,6 +176,21 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
     return batched, prompt, lengths
 
 
+def _check_fixed_rows(model, batched: bool, shape: tuple[int, int]) -> None:
+    """Refuse a prompt whose rows differ from the model's `fixed_rows` (an `int` when the
+    model runs on exactly that many rows, as with adapters chosen per row), before any
+    trace: a 1-D prompt is one row, which such a model cannot run on."""
+    rows = getattr(model, "fixed_rows", None)
+    if rows is None or (batched and shape[0] == rows):
+        return
+    got = f"a (batch, seq) prompt of {shape[0]} rows" if batched else f"a 1-D prompt (shape {shape[1:]})"
+    raise ValueError(
+        f"the model's adapters are chosen for {rows} rows (eqrope.select_adapters), so it "
+        f"needs a ({rows}, seq) prompt, one row per adapter id; got {got}. Pass one adapter "
+        "id per row of the batch, or eqrope.take_adapter(...) for one prompt."
+    )
+
+
 def _check_key(key):
     """One typed PRNG key, of any implementation (threefry, rbg, ...).
 
@@ -186,19 +200,7 @@ def _check_key(key):
     """
     if key is None:
         return _zero_key(jax.config.jax_default_prng_impl)
-    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
-        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)), got {type(key).__name__}.")
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.shape != ():
-            raise TypeError(f"key must be one PRNG key, got a key array of shape {key.shape}.")
-        return key
-    try:
-        return jax.random.wrap_key_data(key)
-    except (TypeError, ValueError):
-        raise TypeError(
-            "key must be one PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
-            f"got shape {key.shape} and dtype {key.dtype}."
-        ) from None
+    return check_key(key)
 
 
 @functools.cache

@@ -4,6 +4,7 @@ Every program (plain, speculative, uncached) returns an `Outputs` of `(rows, max
 buffers; `finish` cuts them to the call's width and shapes them for the caller.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import equinox as eqx
@@ -35,6 +36,8 @@ class Generation(eqx.Module):
       kept; 0 without a draft. A round offers `draft_len` drafts, or as many tokens as
       the row may still add (`max_new`, the cache) when that is fewer, so a draft that
       always agrees with the model has every draft accepted.
+    - `speculative`: whether a draft ran (`generate(..., draft=...)`); the counters
+      `target_steps`, `drafted` and `accepted` are in the repr only then.
 
     With `num_samples`, each field has the samples' axis after the batch's.
     """
@@ -46,6 +49,12 @@ class Generation(eqx.Module):
     target_steps: Int[Array, "*batch"]
     drafted: Int[Array, "*batch"]
     accepted: Int[Array, "*batch"]
+    speculative: bool = eqx.field(static=True, default=False)
+
+    def __repr__(self) -> str:
+        names = [f.name for f in dataclasses.fields(self)][: 7 if self.speculative else 4]
+        fields = "".join(f"\n  {n}={eqx.tree_pformat(getattr(self, n))}," for n in names)
+        return f"Generation({fields[:-1]}\n)"
 
     @property
     def acceptance(self) -> float:
@@ -97,12 +106,13 @@ def finish(request: Request, outputs: Outputs, return_logprobs: bool):
         (np.asarray(x)[:, :total] if is_concrete(x) else x[:, :total]).reshape(*lead, total)
         for x in (logprobs, model_logprobs)
     ]
-    if counters is None:  # one model pass per new token, no drafts
+    speculative = counters is not None
+    if not speculative:  # one model pass per new token, no drafts
         new = ends - np.repeat(request.lengths, request.samples or 1).reshape(lead)
         counters = (new, np.zeros_like(new), np.zeros_like(new))
     counters = tuple(np.asarray(c, np.int32).reshape(lead) for c in counters)
     tokens, logprobs, model_logprobs, ends, counters = jax.device_put((tokens, *both, ends, counters))
-    return Generation(tokens, logprobs, model_logprobs, ends, *counters)
+    return Generation(tokens, logprobs, model_logprobs, ends, *counters, speculative=speculative)
 
 
 def to_host(x) -> np.ndarray:

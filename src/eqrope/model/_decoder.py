@@ -146,6 +146,16 @@ class RotaryDecoder(eqx.Module):
     def max_len(self) -> int:
         return self.config.max_len
 
+    @property
+    def fixed_rows(self) -> int | None:
+        """The number of rows the model runs on (under `jax.vmap` over exactly that many),
+        or `None` for any number. A module that stands where a weight array is and has its
+        own `fixed_rows` sets it: an adapter chosen per row ([`eqrope.select_adapters`][])
+        fixes the batch. `generate` refuses a prompt of another shape before it compiles."""
+        stands_in = lambda x: isinstance(x, eqx.Module) and hasattr(type(x), "fixed_rows")  # noqa: E731
+        rows = (x.fixed_rows for x in jax.tree.leaves(self.blocks, is_leaf=stands_in) if stands_in(x))
+        return next((r for r in rows if r is not None), None)
+
     # -- the forward pass ----------------------------------------------------------------
 
     def __call__(self, ids: Int[ArrayLike, " seq"]) -> Float[Array, "seq vocab"]:

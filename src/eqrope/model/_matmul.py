@@ -14,8 +14,9 @@ XLA:CPU computed it before (float32 operands and sums, the result rounded to the
 operands' dtype), though XLA may now round an intermediate it used to keep in float32;
 each step reads the low-precision weight and writes and reads its float32 copy, so it
 trades speed for memory. A float32 or float64 weight, an accelerator, and a weight that
-is not an array (a LoRA-wrapped weight, whose `__rmatmul__` is the product) all take
-plain `x @ w`, unchanged.
+is not an array all take plain `x @ w`, unchanged; a LoRA-wrapped weight's `__rmatmul__`
+calls `matmul` on its base array, so that a zero update gives the base's product bit for
+bit.
 """
 
 import equinox as eqx

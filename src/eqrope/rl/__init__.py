@@ -7,9 +7,9 @@ from ._objective import (
     grpo_objective as grpo_objective,
     rollout_logprobs as rollout_logprobs,
 )
+from ._rewards import HostReward as HostReward
 from ._step import (
     GRPOStep as GRPOStep,
-    HostReward as HostReward,
     Rollout as Rollout,
     make_grpo_step as make_grpo_step,
 )

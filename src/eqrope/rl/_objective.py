@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from .._checks import check_bool, check_choice, check_float, check_int
+
 
 AVERAGING = ("token", "sequence", "constant")
 
@@ -24,11 +26,15 @@ def group_advantages(
 
     **Arguments:**
 
-    - `rewards`: `(batch, group)`, the `group` samples of each prompt.
+    - `rewards`: `(batch, group)`, the `group >= 2` samples of each prompt.
     - `scale`: divide by the group's unbiased standard deviation plus `eps`.
     - `eps`: keeps a group whose rewards are all equal at advantage 0 (not NaN).
 
     **Returns:** float32 advantages of the rewards' shape.
+
+    Raises `ValueError` for rewards of another rank, and for a group of one (`group = 1`,
+    whose unbiased standard deviation is 0 / 0: a lone sample has nothing to be compared
+    with, and GRPO refuses `group_size < 2` too).
 
     ??? cite "References"
 
@@ -36,6 +42,14 @@ def group_advantages(
         Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training", Sec. 3.1,
         `A_i = r_i - mean(r)`.
     """
+    scale = check_bool(scale, "scale")
+    eps = check_float(eps, "eps")
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(
+            "rewards must have shape (batch, group) with group >= 2 (each prompt's samples "
+            f"in a row, compared within it), got shape {rewards.shape}."
+        )
     rewards = rewards.astype(jnp.float32)
     centred = rewards - jnp.mean(rewards, axis=1, keepdims=True)
     if not scale:
@@ -92,7 +106,7 @@ class Terms(NamedTuple):
 def grpo_objective(
     logprobs: Float[Array, "rows seq"],
     old_logprobs: Float[Array, "rows seq"],
-    ref_logprobs: Float[Array, "rows seq"],
+    ref_logprobs: Float[Array, "rows seq"] | None,
     advantages: Float[Array, " rows"],
     mask: Bool[Array, "rows seq"],
     *,
@@ -112,8 +126,16 @@ def grpo_objective(
     - `"sequence"`: `mean_i (1 / |o_i|) sum_t l` (GRPO's sequence-level average);
     - `"constant"`: `sum_{i,t} l / (rows * max_new)` (Dr. GRPO: no length bias).
 
+    `ref_logprobs=None` (with `beta=0`) leaves the KL term out: it is not computed at all,
+    as TRL skips it at `beta == 0`, so a token whose log-probability is below -88 (whose
+    `exp(-logp)` overflows float32) cannot turn the loss into `0 * inf = NaN`. Terms that
+    weigh nothing cannot either: masked tokens, a traced `beta` of 0, a zero advantage,
+    and a ratio past the clip where the surrogate is flat in it (where `A >= 0` the ratio
+    is capped at `e (1 + eps_high)`, past the clip: the loss and its gradient are unchanged).
+
     **Returns:** `Terms(loss, ratio, kl, clipped)`; `clipped` marks the tokens whose
-    clipped term is the smaller (no gradient flows through the ratio there).
+    clipped term is the smaller (no gradient flows through the ratio there); `kl` is zero
+    without a reference.
 
     ??? cite "References"
 
@@ -121,17 +143,28 @@ def grpo_objective(
         Schulman 2020, "Approximating KL divergence"); Yu et al. 2025, "DAPO", Eq. 8
         (token-level average, `eps_high`); Liu et al. 2025, "Dr. GRPO", Eq. 3.
     """
-    if averaging not in AVERAGING:
-        raise ValueError(f"averaging must be one of {AVERAGING}, got {averaging!r}.")
+    averaging = check_choice(averaging, "averaging", AVERAGING)
+    max_new = check_int(max_new, "max_new", minimum=1)
+    if ref_logprobs is None and not (isinstance(beta, (int, float)) and beta == 0):
+        raise ValueError("ref_logprobs=None leaves the KL term out; pass beta=0.0 with it.")
     keep = mask.astype(jnp.float32)
     a = advantages.astype(jnp.float32)[:, None]
-    ratio = jnp.exp(jnp.where(mask, logprobs - old_logprobs, 0.0))
     low, high = 1 - jnp.asarray(eps_low, jnp.float32), 1 + jnp.asarray(eps_high, jnp.float32)
+    log_ratio = jnp.where(mask, logprobs - old_logprobs, 0.0)
+    # Where A >= 0 the surrogate stops growing at 1 + eps_high (and is 0 at A = 0): capped
+    # there at e (1 + eps_high), exp cannot overflow into a 0 * inf in the loss or its gradient.
+    capped = jnp.where(a >= 0, jnp.minimum(log_ratio, jnp.log(high) + 1), log_ratio)
+    ratio = jnp.exp(capped)
     unclipped, clipped = ratio * a, jnp.clip(ratio, low, high) * a
     surrogate = jnp.minimum(unclipped, clipped)
-    delta = jnp.where(mask, ref_logprobs - logprobs, 0.0)
-    kl = jnp.exp(delta) - delta - 1
-    per_token = -(surrogate - jnp.asarray(beta, jnp.float32) * kl) * keep
+    if ref_logprobs is None:
+        kl = jnp.zeros_like(keep)
+        per_token = -surrogate * keep
+    else:
+        beta = jnp.asarray(beta, jnp.float32)
+        delta = jnp.where(mask & (beta != 0), ref_logprobs - logprobs, 0.0)
+        kl = jnp.exp(delta) - delta - 1
+        per_token = -(surrogate - beta * kl) * keep
     lengths = jnp.sum(keep, axis=1)
     if averaging == "token":
         loss = jnp.sum(per_token) / jnp.maximum(jnp.sum(lengths), 1.0)
@@ -139,4 +172,5 @@ def grpo_objective(
         loss = jnp.mean(jnp.sum(per_token, axis=1) / jnp.maximum(lengths, 1.0))
     else:
         loss = jnp.sum(per_token) / (mask.shape[0] * max_new)
+    ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))  # reported as it is, uncapped
     return Terms(loss=loss, ratio=ratio, kl=kl * keep, clipped=mask & (clipped < unclipped))

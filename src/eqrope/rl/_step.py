@@ -15,7 +15,6 @@ metric `rollout_gap` (below 1e-6, relative, in float32 on the tests' models). do
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -26,22 +25,18 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
+from .._log import compiling, shapes_of
+from .._checks import check_bool, check_choice, check_float, check_int
 from ..generation._decode import decode_program
-from ..generation._generation_config import resolve
+from ..generation._generation_config import GenerationConfig, resolve
+from ..generation._hf_generation_config import refuse_hf_keywords
 from ..generation._request import parse_request
+from ._rewards import HostReward, _name, check_host_rewards, check_reward, check_rewards, host_rewards
 from ._objective import AVERAGING, completion_mask, group_advantages, grpo_objective, rollout_logprobs
 from ..adapters._lora import base_model, split_adapters
+from ..adapters._step import ADAPTER_STATE
 from ..adapters._weight import lora_weights
-
-
-@dataclasses.dataclass(frozen=True)
-class HostReward:
-    """A reward computed on the host from decoded text: `fn(prompt, completion) -> float`
-    for each sample, with `decode(ids) -> str` turning token ids into text (a tokenizer's
-    `decode`). The completion holds the sampled tokens up to and with the EOS id."""
-
-    fn: Callable[[str, str], float]
-    decode: Callable[[Sequence[int]], str]
+from ..training._step import FULL_STATE, check_opt_state, check_optimizer
 
 
 class Rollout(NamedTuple):
@@ -86,21 +81,13 @@ def check_reference(reference, policy) -> None:
             )
 
 
-def check_rewards(rewards, batch: int, group: int):
-    """The device reward's result, checked at trace time (shape, dtype) and at run time
-    (NaN or infinity, through `eqx.error_if`)."""
-    shape = getattr(rewards, "shape", None)
-    if shape != (batch, group):
-        raise ValueError(
-            f"the reward must return one number per sample, shape (batch, group) = "
-            f"{(batch, group)}, got {shape}."
-        )
-    if not jnp.issubdtype(rewards.dtype, jnp.floating):
-        raise TypeError(
-            f"the reward must return floats, got {rewards.dtype}; cast with .astype(jnp.float32)."
-        )
-    rewards = rewards.astype(jnp.float32)
-    return eqx.error_if(rewards, ~jnp.all(jnp.isfinite(rewards)), "the reward returned a NaN or an infinity.")
+# The sampler's settings that `**controls` passes on (the others are make_grpo_step's own).
+CONTROLS = tuple(
+    f.name for f in dataclasses.fields(GenerationConfig)
+    if f.name not in ("max_new", "temperature", "eos_id", "num_samples")
+)  # fmt: skip
+
+_DEFAULTS = GenerationConfig()
 
 
 def make_grpo_step(
@@ -132,15 +119,20 @@ def make_grpo_step(
     - `reward`: a jittable `reward(tokens, prompt_lengths, ends) -> rewards`, with
       `tokens` `(batch, group, total)`, `prompt_lengths` `(batch,)`, `ends` `(batch,
       group)` and float `rewards` `(batch, group)` (the whole step is then one program);
-      or a [`eqrope.HostReward`][] of decoded text (two programs, the reward between).
+      or a [`eqrope.HostReward`][] of decoded text (two programs, the reward between). A
+      function of two arguments, `(prompt, completion)`, is refused with the advice to
+      wrap it in a `HostReward`.
     - `group_size`: `G >= 2` samples per prompt.
-    - `max_new`, `temperature`, `eos_id`, `max_len` and `**controls` (`top_k`, `top_p`,
-      `min_p`, penalties, `bad_ids`, `stop`, `min_new`, `pad_id`): the sampler's, as in
-      [`eqrope.generate`][]. The ratio uses the model's own log-probabilities at
+    - `max_new` (`>= 1`), `temperature` (finite, `> 0`), `eos_id`, `max_len` and
+      `**controls` (`top_k`, `top_p`, `min_p`, penalties, `bad_ids`, `stop`, `min_new`,
+      `pad_id`): the sampler's, as in [`eqrope.generate`][]. The ratio uses the model's own log-probabilities at
       `temperature`, without the processors (`model_logprobs`).
-    - `beta`: the coefficient of the k3 KL to the reference (0 skips the reference).
+    - `beta`: the coefficient of the k3 KL to the reference. `beta=0` leaves the KL
+      term out altogether, as TRL does: no reference, no reference forward, and no `kl`
+      metric.
     - `clip_eps`, `clip_eps_high`: the ratio is clipped to `[1 - clip_eps, 1 +
-      clip_eps_high]` (`clip_eps_high` defaults to `clip_eps`; DAPO raises it).
+      clip_eps_high]` (`clip_eps_high` defaults to `clip_eps`; DAPO raises it); finite
+      and `>= 0`.
     - `scale_rewards`: divide the centred rewards by the group's std (GRPO); `False` is
       Dr. GRPO's unnormalised advantage.
     - `averaging`: `"token"`, `"sequence"` or `"constant"` (see `grpo_objective`).
@@ -148,7 +140,7 @@ def make_grpo_step(
     - `cache_dtype`: only `None`; `"int8"` is refused (see below).
 
     **Returns:** a `GRPOStep`. `metrics` holds float scalars: `reward_mean`,
-    `reward_std`, `loss`, `kl`, `clip_fraction` (over the updates), `entropy`,
+    `reward_std`, `loss`, `kl` (with `beta > 0` only), `clip_fraction` (over the updates), `entropy`,
     `length_mean`, `length_max` (completion tokens), `ratio_error` (`max |ratio - 1|` at
     the first update, 0 by construction), `rollout_gap` (`max |logp - model_logprobs| /
     max(1, |logp|)` between the training forward and the rollout: float32 rounds a
@@ -158,35 +150,49 @@ def make_grpo_step(
     The int8 cache is refused: the rollout would sample from a model whose keys and values
     are rounded to 8 bits, a different policy from the one trained, and the ratio would
     hide that difference.
+
+    Every argument is checked here, by name, with the words of eqrope's other checks: a
+    bool, a string or a NaN where a number goes, an int where a bool goes, a choice
+    outside its list, an unknown sampler control. The step checks its `opt_state`
+    against the optimizer's init of what it trains (a `TypeError` naming
+    `eqrope.init_optimizer` or `eqrope.init_adapter_optimizer`), and each host reward
+    (a NaN, an infinity, or a value outside float32's range, with the sample's index).
     """
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2:
-        raise ValueError(
-            f"group_size must be an int >= 2 (GRPO compares samples within a group), got {group_size!r}."
-        )
-    if not isinstance(updates, int) or updates < 1:
-        raise ValueError(f"updates must be an int >= 1, got {updates!r}.")
-    if averaging not in AVERAGING:
-        raise ValueError(f"averaging must be one of {AVERAGING}, got {averaging!r}.")
+    check_optimizer(optimizer, "eqrope.make_grpo_step")
+    reward = check_reward(reward)
+    group_size = check_int(group_size, "group_size", minimum=2)
+    max_new = check_int(max_new, "max_new", minimum=1)
+    temperature = check_float(temperature, "temperature")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (GRPO samples), got {temperature!r}.")
+    beta, clip_eps = check_float(beta, "beta"), check_float(clip_eps, "clip_eps")
+    clip_eps_high = clip_eps if clip_eps_high is None else check_float(clip_eps_high, "clip_eps_high")
+    for name, value in (("beta", beta), ("clip_eps", clip_eps), ("clip_eps_high", clip_eps_high)):
+        if value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    scale_rewards = check_bool(scale_rewards, "scale_rewards")
+    averaging = check_choice(averaging, "averaging", AVERAGING)
+    updates = check_int(updates, "updates", minimum=1)
+    max_len = check_int(max_len, "max_len", minimum=1, none=True)
     if cache_dtype is not None:
         raise ValueError(
             f"cache_dtype={cache_dtype!r} is refused: the GRPO rollout samples with the exact "
             "cache only. An int8 cache samples from a model whose keys and values are rounded, "
             "not the policy being trained; pass cache_dtype=None."
         )
-    for name, value in (("beta", beta), ("clip_eps", clip_eps)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be > 0 (GRPO samples), got {temperature!r}.")
-    if not callable(reward) and not isinstance(reward, HostReward):
-        raise TypeError(f"reward must be a function or an eqrope.HostReward, got {reward!r}.")
+    if "num_samples" in controls:
+        raise TypeError("make_grpo_step sets num_samples to group_size; pass group_size=... alone.")
+    refuse_hf_keywords(controls, "make_grpo_step")
+    unknown = sorted(set(controls) - set(CONTROLS))
+    if unknown:
+        raise TypeError(
+            f"make_grpo_step got an unknown keyword {unknown[0]!r}; the sampler's controls "
+            f"are {', '.join(CONTROLS)}."
+        )
     settings = resolve(
         None, dict(max_new=max_new, temperature=temperature, eos_id=eos_id, num_samples=group_size, **controls)
     )
-    hyper = dict(
-        beta=float(beta), eps_low=float(clip_eps),
-        eps_high=float(clip_eps if clip_eps_high is None else clip_eps_high),
-    )  # fmt: skip
+    hyper = dict(beta=beta, eps_low=clip_eps, eps_high=clip_eps_high)
     return GRPOStep(optimizer, reward, settings, hyper, scale_rewards, averaging, updates, max_len)
 
 
@@ -202,6 +208,20 @@ class GRPOStep:
         self._fused = eqx.filter_jit(self._fused_program)
         self._rollout = eqx.filter_jit(self._rollout_program)
         self._update = eqx.filter_jit(self._update_program)
+
+    def __repr__(self) -> str:
+        """The step's settings, as `make_grpo_step` took them (sampler controls only where
+        they differ from the defaults)."""
+        s, h = self.settings, self.hyper
+        fields = dict(
+            group_size=self.group, max_new=s.max_new, temperature=s.temperature, beta=h["beta"],
+            clip_eps=h["eps_low"], clip_eps_high=h["eps_high"], scale_rewards=self.scale,
+            averaging=self.averaging, updates=self.updates, max_len=self.max_len,
+        )  # fmt: skip
+        changed = [n for n in ("eos_id", *CONTROLS) if getattr(s, n) != getattr(_DEFAULTS, n)]
+        fields.update({n: getattr(s, n) for n in changed})
+        shown = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        return f"GRPOStep(reward={_name(self.reward)}, {shown})"
 
     # -- the host side ---------------------------------------------------------------------
 
@@ -226,7 +246,7 @@ class GRPOStep:
 
     def update(self, policy, opt_state, rollout: Rollout, rewards, *, reference=None):
         """The update alone, from a `rollout` and its `(batch, group)` rewards."""
-        rewards = self._check_host_rewards(rewards, rollout.tokens.shape[:2])
+        rewards = check_host_rewards(rewards, rollout.tokens.shape[:2])
         trainable, rest = _partition(policy)
         reference = self._reference(policy, reference)
         temperature = np.float32(self.settings.temperature)
@@ -235,29 +255,7 @@ class GRPOStep:
 
     def host_rewards(self, rollout: Rollout) -> np.ndarray:
         """The `HostReward` of each sample, `(batch, group)` float32, checked."""
-        tokens, ends = np.asarray(rollout.tokens), np.asarray(rollout.ends)
-        lengths = np.asarray(rollout.prompt_lengths)
-        decode = self.reward.decode
-        out = np.zeros(tokens.shape[:2], np.float32)
-        for i in range(tokens.shape[0]):
-            prompt = decode(tokens[i, 0, : lengths[i]].tolist())
-            for j in range(tokens.shape[1]):
-                value = self.reward.fn(prompt, decode(tokens[i, j, lengths[i] : ends[i, j]].tolist()))
-                if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                    raise TypeError(f"the host reward must return a number, got {value!r} for sample ({i}, {j}).")
-                out[i, j] = value
-        return self._check_host_rewards(out, tokens.shape[:2])
-
-    @staticmethod
-    def _check_host_rewards(rewards, shape):
-        rewards = np.asarray(rewards)
-        if rewards.shape != tuple(shape):
-            raise ValueError(f"rewards must have shape (batch, group) = {tuple(shape)}, got {rewards.shape}.")
-        if not np.issubdtype(rewards.dtype, np.floating):
-            raise TypeError(f"rewards must be floats, got {rewards.dtype}.")
-        if not np.all(np.isfinite(rewards)):
-            raise ValueError("the reward returned a NaN or an infinity.")
-        return rewards.astype(np.float32)
+        return host_rewards(self.reward, rollout.tokens, rollout.prompt_lengths, rollout.ends)
 
     def _request(self, policy, prompts, key, prompt_lengths):
         if key is None:
@@ -267,9 +265,10 @@ class GRPOStep:
     def _reference(self, policy, reference):
         if reference is not None:
             check_reference(reference, policy)
-            return reference
-        if self.hyper["beta"] == 0 or lora_weights(policy):
-            return None  # no KL term, or the adapted policy's base (inside the program)
+        if self.hyper["beta"] == 0:
+            return None  # no KL term: no reference forward, nor the reference in the program
+        if reference is not None or lora_weights(policy):
+            return reference  # None: the adapted policy's base (inside the program)
         raise ValueError(
             "beta > 0 needs a reference: pass reference=... (a frozen copy of the initial "
             "model), or beta=0.0. An adapted policy's reference is its base by default."
@@ -287,6 +286,7 @@ class GRPOStep:
     # -- the programs ----------------------------------------------------------------------
 
     def _rollout_program(self, policy, buffer, lengths, max_new, sampling, key, *, chunk, total, pad_id) -> Rollout:
+        compiling("rl", "the GRPO step", f"prompts {shapes_of(buffer)}, group {self.group}", "batch or cache length")
         tokens, _, own, ends, nonfinite = decode_program(
             policy, buffer, lengths, max_new, sampling, key, batched=True, chunk=chunk, samples=self.group
         )
@@ -303,6 +303,9 @@ class GRPOStep:
         return self._update_program(trainable, rest, opt_state, reference, rollout, rewards, sampling.temperature)
 
     def _update_program(self, trainable, rest, opt_state, reference, rollout: Rollout, rewards, temperature):
+        adapted = bool(lora_weights(rest))
+        kind = ADAPTER_STATE if adapted else FULL_STATE
+        check_opt_state(self.optimizer, trainable, opt_state, who="the GRPO step", **kind)
         batch, group, total = rollout.tokens.shape
         tokens = rollout.tokens.reshape(batch * group, total)
         starts = jnp.repeat(rollout.prompt_lengths, group)
@@ -310,11 +313,10 @@ class GRPOStep:
         mask = completion_mask(starts, ends, total)
         advantages = group_advantages(rewards, scale=self.scale).reshape(-1)
         hyper = self.hyper
+        ref_lp = None  # beta == 0: no KL term, no reference forward (as TRL)
         if hyper["beta"] > 0:
             ref = base_model(eqx.combine(trainable, rest)) if reference is None else reference
             ref_lp = jax.lax.stop_gradient(rollout_logprobs(ref, tokens, temperature)[0])
-        else:
-            ref_lp = jnp.zeros(tokens.shape, jnp.float32)
         max_new = int(self.settings.max_new)
 
         def loss_of(trainable, old, first):
@@ -334,7 +336,7 @@ class GRPOStep:
             n = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
             stats = dict(
                 loss=loss,
-                kl=jnp.sum(terms.kl) / n,
+                **({} if ref_lp is None else {"kl": jnp.sum(terms.kl) / n}),
                 clip_fraction=jnp.sum(terms.clipped).astype(jnp.float32) / n,
                 entropy=jnp.sum(jnp.where(mask, entropy, 0.0)) / n,
                 ratio_error=jnp.max(jnp.where(mask, jnp.abs(terms.ratio - 1), 0.0)),

@@ -1,11 +1,13 @@
 """`eqrope.generate_text`: text in, text out, around `eqrope.generate`."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, overload
 
 import numpy as np
 
 from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
+from ..generation._hf_generation_config import refuse_hf_keywords
 from ..generation._stream import TextStream, print_piece
 from ._tokenizer import Tokenizer
 
@@ -14,10 +16,38 @@ from ._tokenizer import Tokenizer
 _OWN = ("eos_id", "prompt_lengths", "return_logprobs", "on_token")
 
 
+# The types an editor sees: a text per prompt, a list of texts per prompt with num_samples.
+@overload
+def generate_text(
+    model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
+    stream: bool | Callable[[int, str], object] = ..., num_samples: None = ..., **settings: Any,
+) -> str: ...
+@overload
+def generate_text(
+    model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
+    stream: bool | Callable[[int, str], object] = ..., num_samples: int, **settings: Any,
+) -> list[str]: ...
+@overload
+def generate_text(
+    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
+    *, stream: bool | Callable[[int, str], object] = ..., num_samples: None = ..., **settings: Any,
+) -> list[str]: ...
+@overload
+def generate_text(
+    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
+    *, stream: bool | Callable[[int, str], object] = ..., num_samples: int, **settings: Any,
+) -> list[list[str]]: ...
+@overload
+def generate_text(
+    model, tokenizer: Tokenizer, prompt: str | Sequence[str], max_new: int | _FromConfig = ...,
+    *, stream: bool | Callable[[int, str], object] = ..., **settings: Any,
+) -> str | list[str] | list[list[str]]: ...
+
+
 def generate_text(
     model,
-    tokenizer: Tokenizer,
-    prompt: str | Sequence[str],
+    tokenizer,  # an eqrope.Tokenizer, checked by `_check_tokenizer` with a message that says the fix
+    prompt,  # a string or a list of them, checked by `_prompts`
     max_new: int | _FromConfig = FROM_CONFIG,
     *,
     stream: bool | Callable[[int, str], object] = False,
@@ -55,13 +85,21 @@ def generate_text(
     its ids instead.
 
     Refused (`ValueError`): a prompt that encodes to no tokens (an empty string, with a
-    tokenizer that adds no BOS token), named with its index in a list; and whatever
-    `generate` refuses. An exception raised by `stream`, of any kind (`KeyboardInterrupt`
-    included), reaches the caller as it is, and no more pieces are sent.
+    tokenizer that adds no BOS token), named with its index in a list; a tokenizer with
+    more token ids than the model's `vocab_size`; and whatever `generate` refuses.
+    Refused (`TypeError`), with the fix: a tokenizer that is not an `eqrope.Tokenizer`
+    (a `tokenizers.Tokenizer` goes in `eqrope.Tokenizer(...)`), chat messages (render
+    them with `tokenizer.apply_chat_template` first), a prompt that is not text, and
+    transformers' keywords (`max_new_tokens`, `do_sample`, ...). An exception raised by
+    `stream`, of any kind (`KeyboardInterrupt` included), reaches the caller as it is, and
+    no more pieces are sent.
     """
     taken = sorted(set(_OWN) & set(settings))
     if taken:
         raise TypeError(f"generate_text sets {taken} itself; pass the tokenizer's eos_ids instead.")
+    refuse_hf_keywords(settings, "generate_text")
+    _check_tokenizer(tokenizer, model)
+    prompt = _prompts(prompt)
     one = isinstance(prompt, str)
     if one:
         ids, lengths = np.asarray(tokenizer.encode(prompt), np.int32), None
@@ -109,6 +147,50 @@ _EMPTY = (
     "generate_text: {name} = {text!r} encodes to no tokens, and generation needs at least "
     "one token to follow. Give it some text, or use a tokenizer that adds a BOS token."
 )
+
+
+def _check_tokenizer(tokenizer, model) -> None:
+    """A `TypeError` for what is not an `eqrope.Tokenizer` (a raw `tokenizers.Tokenizer`,
+    a transformers tokenizer), a `ValueError` for one larger than the model's vocabulary."""
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(
+            f"generate_text: tokenizer is a {type(tokenizer).__module__}.{type(tokenizer).__name__}, "
+            "not an eqrope.Tokenizer. Read a checkpoint's with "
+            "eqrope.Tokenizer.from_pretrained(path), or wrap a tokenizers.Tokenizer as "
+            "eqrope.Tokenizer(tokenizers_obj, eos_ids=(...))."
+        )
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"generate_text: the tokenizer has {tokenizer.vocab_size} token ids but the model's "
+            f"vocab_size is {vocab}, so some of its tokens have no embedding. Use the "
+            "tokenizer the model was trained with, or a model with at least "
+            f"{tokenizer.vocab_size} ids."
+        )
+
+
+def _prompts(prompt) -> str | list:
+    """`prompt` as a string or a list, with a `TypeError` for what is not text: chat
+    messages (to render first) or token ids (for `generate`)."""
+    if isinstance(prompt, str):
+        return prompt
+    items = [prompt] if isinstance(prompt, dict) or not isinstance(prompt, Iterable) else list(prompt)
+    chat = lambda m: isinstance(m, dict) or (isinstance(m, (list, tuple)) and m and isinstance(m[0], dict))
+    if any(map(chat, items)):
+        raise TypeError(
+            "generate_text: prompt holds chat messages ({\"role\": ..., \"content\": ...} dicts); "
+            "it takes text. Render them first: text = tokenizer.apply_chat_template(messages, "
+            "add_generation_prompt=True, tokenize=False), then generate_text(model, tokenizer, "
+            "text, ...)."
+        )
+    bad = next((m for m in items if not isinstance(m, str)), None)
+    if bad is not None:
+        held = "" if bad is prompt else f" holding a {type(bad).__name__}"
+        raise TypeError(
+            f"generate_text: prompt must be a string or a list of strings, got a "
+            f"{type(prompt).__name__}{held}; for token ids use eqrope.generate."
+        )
+    return items
 
 
 def _eos_ids(config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -71,6 +71,15 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         self.clean_up_spaces = bool(clean_up_spaces)
+        self._source: str | None = None  # the folder `from_pretrained` read, for the repr
+
+    def __repr__(self) -> str:
+        source = f"{self._source!r}, " if self._source is not None else ""
+        template = "yes" if self.chat_template is not None else "none"
+        return (
+            f"Tokenizer({source}vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, "
+            f"pad_id={self.pad_id}, chat_template={template})"
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
@@ -92,9 +101,10 @@ class Tokenizer:
         checkpoint does); the `add_bos_token`/`add_eos_token` switches of some
         tokenizer_config.json files are not applied.
 
-        Raises `FileNotFoundError` without tokenizer.json, and `ValueError`, naming the file
-        and the key, for a file that is not valid JSON or tokenizer.json, and for a field
-        it reads of the wrong type: a named special token (`eos_token`, `pad_token`, ...)
+        Raises `FileNotFoundError` without tokenizer.json (for a path that does not exist,
+        such as a hub id, saying that eqrope does not download), and `ValueError`, naming
+        the file and the key, for a file that is not valid JSON or tokenizer.json, and for a
+        field it reads of the wrong type: a named special token (`eos_token`, `pad_token`, ...)
         that is neither a string nor an AddedToken record (`{"content": "</s>", ...}`), so
         `"eos_token": 1` is refused rather than read as the token "1"; a special token not
         in the vocabulary; a `chat_template` that is neither a string nor a list of
@@ -105,6 +115,13 @@ class Tokenizer:
         path = Path(path)
         folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
         file = folder / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{_WHO}: {file} not found: {str(path)!r} is not a local file or directory. "
+                "eqrope does not download checkpoints: download a hub model first, e.g. with "
+                f"huggingface_hub.snapshot_download({str(path)!r}), and pass the local "
+                "directory it returns."
+            )
         if not file.is_file():
             raise FileNotFoundError(
                 f"{_WHO}: {file} not found. Pass a Hugging Face checkpoint directory that holds "
@@ -141,7 +158,7 @@ class Tokenizer:
         clean_up = clean_up is not None and checked(
             check_bool, clean_up, "clean_up_tokenization_spaces", where
         )
-        return cls(
+        read = cls(
             tokenizer,
             eos_ids=tuple(dict.fromkeys(eos_ids)),  # in order, once each
             pad_id=token_id("pad_token"),
@@ -149,6 +166,8 @@ class Tokenizer:
             special_tokens=special,
             clean_up_spaces=clean_up and type(tokenizer.model).__name__ != "BPE",
         )
+        read._source = str(folder)
+        return read
 
     @property
     def vocab_size(self) -> int:

@@ -4,4 +4,8 @@ Remat comes from the model's config (`remat=True`); the block scan stays stacked
 """
 
 from ._loss import cross_entropy as cross_entropy
-from ._step import init_optimizer as init_optimizer, make_train_step as make_train_step
+from ._step import (
+    TrainStep as TrainStep,
+    init_optimizer as init_optimizer,
+    make_train_step as make_train_step,
+)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, Key
 
+from ..._log import compiling_generate
 from ...model import KVCache
 from .._arrays import for_decoding, rebuild, split_model
 from .._prefill import prepare
@@ -68,6 +69,7 @@ def speculate_cached(model, draft, *args, **static):
     static_argnames=("structure", "batched", "chunk", "samples", "stream", "check_finite", "draft_len", "rule"),
 )
 def speculative_program(arrays, *args, structure, **static):
+    compiling_generate("generate with a draft", args[0], **static)  # once per compile
     model, draft = rebuild(arrays, structure)
     return speculative_decode(model, draft, *args, **static)
 

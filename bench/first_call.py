@@ -1,0 +1,159 @@
+"""First calls against the floor's, in fresh processes, and the time to the first token.
+
+    python bench/first_call.py           # the seed protocol and both real shapes (~10 min)
+    python bench/first_call.py --tiny --out /tmp/x   # tiny shapes, for the tests
+    python bench/first_call.py --save    # update bench/results/first_call_cpu.json
+
+Each first call runs in a new process (`_fresh.py`), alternating eqrope and the floor
+(bench/_floor.py's unrolled decoder on the same arrays), so that both sides meet the same
+machine. Rows:
+
+- the seed protocol (model (65, 64, 4, 2, 256), prompt 0..7, 100 new tokens): eqrope cold
+  (no persistent cache), the floor cold, and eqrope with JAX's persistent compilation
+  cache warm (`eqrope.use_compilation_cache`, filled by a first process);
+- the SmolLM2-135M shape (30 blocks, 64 new tokens after 32) and the Qwen2.5-0.5B shape
+  (24 blocks, 32 after 32), float32, random weights: eqrope cold against the floor cold;
+- the time to the first token at the SmolLM2 shape, a 32-token prompt: `generate` with
+  `max_new=1` against the floor's one-pass prefill, both compiled, medians of repeats.
+
+Every figure is a median with its min and max over the repeats; the CPU seconds of each
+first call are beside its wall time (they move less when the machine is shared).
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import eqrope
+from _fresh import fresh_first_call
+from _protocols import SEED_MODEL
+from _real_shapes import QWEN25_05B, SMOLLM2_135M
+from _timing import add_output_arguments, log, machine_info, results_folder, write_json
+
+
+def config_of(fields: dict, n_blocks: int | None = None) -> dict:
+    """A transformers config dict (`_real_shapes.py`) as an eqrope config dict."""
+    c = eqrope.DecoderConfig(
+        vocab_size=fields["vocab_size"], d_model=fields["hidden_size"],
+        n_heads=fields["num_attention_heads"], n_kv_heads=fields["num_key_value_heads"],
+        n_blocks=n_blocks or fields["num_hidden_layers"], d_ff=fields["intermediate_size"],
+        max_len=2048, rope_base=fields["rope_theta"], norm_eps=fields["rms_norm_eps"],
+        tie_embeddings=fields["tie_word_embeddings"], head_bias=False,
+    )  # fmt: skip
+    return c.to_dict()
+
+
+def summary(records: list[dict], key: str = "first_s") -> dict:
+    values = [r[key] for r in records]
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values)}
+
+
+def first_calls(config: dict, prompt: int, new: int, repeats: int, warm: bool) -> dict:
+    """Cold first calls of eqrope and the floor (alternating), and warm-cache ones of
+    eqrope when `warm`; each `repeats` times."""
+    runs = {"eqrope_cold": [], "floor_cold": [], "eqrope_warm": []}
+    job = dict(config=config, prompt=prompt, new=new)
+    folder = tempfile.mkdtemp(prefix="eqrope_jax_cache_") if warm else None
+    if warm:  # fill the persistent cache once
+        fresh_first_call({**job, "who": "eqrope", "cache_dir": folder})
+    for _ in range(repeats):
+        runs["eqrope_cold"].append(fresh_first_call({**job, "who": "eqrope"}))
+        runs["floor_cold"].append(fresh_first_call({**job, "who": "floor"}))
+        if warm:
+            runs["eqrope_warm"].append(fresh_first_call({**job, "who": "eqrope", "cache_dir": folder}))
+    out = {}
+    for name, records in runs.items():
+        if records:
+            out[name] = {**summary(records), "cpu": summary(records, "first_cpu_s"),
+                         "cache_hits": records[-1]["cache_hits"],
+                         "cache_misses": records[-1]["cache_misses"]}
+    out["ratio_cold"] = out["eqrope_cold"]["median_s"] / out["floor_cold"]["median_s"]
+    out["ratio_cold_cpu"] = out["eqrope_cold"]["cpu"]["median_s"] / out["floor_cold"]["cpu"]["median_s"]
+    tokens = {name: records[-1]["tokens"] for name, records in runs.items() if records}
+    out["tokens_equal"] = all(t == tokens["floor_cold"] for t in tokens.values())
+    return out
+
+
+def first_token(config: dict, prompt: int, repeats: int) -> dict:
+    """The time to the first token, compiled, eqrope against the floor's prefill."""
+    job = dict(config=config, prompt=prompt, new=64, prefill_only=True, repeats=repeats)
+    e, f = fresh_first_call({**job, "who": "eqrope"}), fresh_first_call({**job, "who": "floor"})
+    keep = ("median_s", "min_s", "max_s")
+    return {"eqrope": {k: e[k] for k in keep}, "floor_prefill": {k: f[k] for k in keep},
+            "ratio": e["median_s"] / f["median_s"], "prompt": prompt}
+
+
+MODES = {
+    "quick": dict(seed_repeats=3, real_repeats=1, ttft_repeats=5, real=True),
+    "full": dict(seed_repeats=5, real_repeats=3, ttft_repeats=10, real=True),
+    # The tests' run: the seed rows are the main job's too (kv_cache.py --tiny runs them).
+    "tiny": dict(seed_repeats=0, real_repeats=1, ttft_repeats=1, real=False),
+}
+
+
+def seed_first_calls(repeats: int) -> dict:
+    """The seed protocol's first calls in fresh processes: cold, the floor, warm cache."""
+    return first_calls(SEED_MODEL.to_dict(), 8, 100, repeats, warm=True)
+
+
+def targets(result: dict) -> list[dict]:
+    rows = []
+    if "seed" in result:
+        seed = result["seed"]
+        rows += [
+            ("seed: first call, cold, fresh process, s", "<= 1.0", seed["eqrope_cold"]["median_s"], 1.0),
+            ("seed: first call, warm persistent cache, s", "<= 0.6", seed["eqrope_warm"]["median_s"], 0.6),
+        ]
+    for name in ("smollm2_135m", "qwen25_05b"):
+        if name in result:
+            rows.append((f"{name}: first call / floor's, cold", "<= 1.25", result[name]["ratio_cold"], 1.25))
+    if "first_token" in result:
+        rows.append(("smollm2_135m: first token / floor's prefill", "<= 1.0", result["first_token"]["ratio"], 1.0))
+    return [{"target": t, "goal": g, "measured": m, "met": m <= bound} for t, g, m, bound in rows]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    for mode in MODES:
+        size.add_argument(f"--{mode}", action="store_const", dest="mode", const=mode)
+    add_output_arguments(parser, "folder for first_call.json")
+    args = parser.parse_args(argv)
+    mode = args.mode or "quick"
+    cfg = MODES[mode]
+    start = time.perf_counter()
+    result = {"mode": mode, "machine": machine_info(), "loadavg": {"start": os.getloadavg()}}
+    if cfg["seed_repeats"]:
+        log(f"[{mode}] seed protocol, fresh processes")
+        result["seed"] = seed_first_calls(cfg["seed_repeats"])
+    if cfg["real"]:
+        shapes = {"smollm2_135m": (SMOLLM2_135M, 64), "qwen25_05b": (QWEN25_05B, 32)}
+    else:  # the tests' run: two small blocks of the SmolLM2 layout (grouped queries, tied)
+        tiny = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2)
+        shapes = {"smollm2_135m": ({**SMOLLM2_135M, **tiny}, 8)}
+    for name, (fields, new) in shapes.items():
+        log(f"[{mode}] {name}, fresh processes")
+        config = config_of(fields, None if cfg["real"] else 2)
+        result[name] = first_calls(config, 32, new, cfg["real_repeats"], warm=False)
+    log(f"[{mode}] time to the first token")
+    config = config_of(shapes["smollm2_135m"][0], None if cfg["real"] else 2)
+    result["first_token"] = first_token(config, 32, cfg["ttft_repeats"])
+    result["targets"] = targets(result)
+    result["wall_s"] = time.perf_counter() - start
+    result["loadavg"]["end"] = os.getloadavg()
+    result["method"] = __doc__
+    out = args.out if args.out is not None else results_folder(args.save)
+    out.mkdir(parents=True, exist_ok=True)
+    path = write_json(out / ("first_call_cpu.json" if args.save else "first_call.json"), result)
+    for t in result["targets"]:
+        word = "met" if t["met"] else "open (not yet met)"
+        print(f"  {t['target']}: {t['measured']:.3f} (goal {t['goal']}) {word}")
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
