@@ -177,8 +177,8 @@ def test_targets_and_outputs(run):
         data["roofline_in_generate"]["fraction_of_working_set_copy"],
         data["batch_matmul"]["fraction_of_matmul"],
         data["first_call"]["new_lengths"]["compiles"],
-        data["first_call"]["fresh"]["eqrope_cold"]["median_s"],
-        data["first_call"]["fresh"]["eqrope_warm"]["median_s"],
+        None,  # the fresh-process first calls: bench/first_call.py's test runs them
+        None,
     ]
     budget = data["long_max_len"]["peak_memory"]["cache_nbytes"] / 4 / 2**20
     assert data["targets"][8]["target"] == f"<= {budget:g}"
@@ -217,11 +217,7 @@ def test_first_call(run):
         assert len(c["compiled"]) == c["compiles"]
         assert close(c["ratio"], c["new_call_s"] / c["repeat_call_s"])
     assert nl["new_call_s_max"] == max(c["new_call_s"] for c in nl["calls"])
-    fresh = fc["fresh"]  # fresh processes: cold, the floor, then JAX's persistent cache warm
-    assert fresh["eqrope_cold"]["cache_hits"] == 0 and fresh["floor_cold"]["cache_hits"] == 0
-    assert fresh["eqrope_warm"]["cache_hits"] >= 1 and fresh["eqrope_warm"]["cache_misses"] == 0
-    assert fresh["tokens_equal"] is True
-    assert close(fresh["ratio_cold"], fresh["eqrope_cold"]["median_s"] / fresh["floor_cold"]["median_s"])
+    assert "fresh" not in fc  # tests/test_bench_first_call.py runs the fresh-process rows
     d = fc["depth"]
     assert [r["n_blocks"] for r in d["rows"]] == data["sizes"]["depths"]
     for r in d["rows"]:

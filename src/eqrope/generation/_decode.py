@@ -173,6 +173,9 @@ def decode_step(
     tok, lp, own = choose(state.logits, text.history, text.n_new, keys, text.pos, sampling)
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
+    # The step's write, row `step_pos` of the cache, cannot be clamped: `step_pos <=
+    # max_len - 1`. A row at `pos == max_len` is done (its text is full); its step rewrites
+    # its own last cache row, and its logits are never read again.
     step_pos = jnp.minimum(text.pos, max_len - 1)
     text = commit(text, tok, lp, own, active, max_new, sampling, listener)
     # Unbatched bounds let every row skip the cache chunks past the batch's furthest

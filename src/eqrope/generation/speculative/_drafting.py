@@ -42,6 +42,10 @@ def model_drafts(
     each was drawn from, the draft's cache, and the rows whose draft logits were not finite.
     """
     max_len = tokens.shape[1]
+    # The draft cache has `max_len` rows (it is prefilled from the same buffer) and a
+    # row's `pos` never passes `max_len`, so the write of rows `start, start + 1` ends at
+    # `max(pos, 2)`: within the cache for `pos >= 2`, and for `pos < 2` whenever the cache
+    # has two rows. An invariant of the round, not a guard at the write.
     start = jnp.maximum(pos - 2, 0)
     pair = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (2,)))(tokens, start)
     feed = functools.partial(draft.prefill, check=False, kv_bound=jnp.max(start), kv_low=jnp.min(start))
