@@ -1,7 +1,7 @@
-"""bench/vs_transformers.py --only real: the public shapes of two small checkpoints.
+"""bench/vs_transformers.py --only real: transformers' models of the shapes in `_shapes.py`.
 
-The sizes are copied from each model's published `config.json` (random weights: nothing
-is downloaded). transformers builds each model with its own config and model classes in
+The sizes are `_shapes.py`'s, copied from each model's published `config.json` (random
+weights: nothing is downloaded). transformers builds each model with its own config and model classes in
 float32, `save_pretrained` writes it, and `eqrope.from_hf` reads it back, so both sides
 hold the same weights. Needs torch and transformers (the `[hf]` extra); imported by
 bench/vs_transformers.py after it has checked that they are installed.
@@ -16,26 +16,9 @@ import transformers
 import eqrope
 from _memory import peak_growth
 from _roofline import copy_bandwidth, weight_nbytes
+from _shapes import QWEN25_05B, SMOLLM2_135M
 
 
-# huggingface.co/HuggingFaceTB/SmolLM2-135M, config.json (model_type llama); head_dim
-# 576 / 9 = 64.
-SMOLLM2_135M = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-    initializer_range=0.041666666666666664,
-)
-# huggingface.co/Qwen/Qwen2.5-0.5B, config.json (model_type qwen2); head_dim 896 / 14 = 64.
-# The window is off (use_sliding_window false), so sliding_window and max_window_layers
-# change nothing.
-QWEN25_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-    use_sliding_window=False, sliding_window=32768, max_window_layers=24,
-    initializer_range=0.02,
-)
 # name: (family, fields, the hub repository the fields come from)
 SHAPES = {
     "smollm2_135m": ("llama", SMOLLM2_135M, "HuggingFaceTB/SmolLM2-135M"),

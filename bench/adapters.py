@@ -4,7 +4,7 @@
     python bench/adapters.py --tiny --out /tmp/x # shrunk sizes, 1 repeat (for the tests)
     python bench/adapters.py --save              # update the committed bench/results/
 
-The model has the published shape of SmolLM2-135M (`_real_shapes.SMOLLM2_135M`: 30
+The model has the published shape of SmolLM2-135M (`_shapes.SMOLLM2_135M`: 30
 blocks, width 576, 9 heads, 3 key/value heads, d_ff 1536, a tied 49152-row embedding),
 random weights, float32. Each figure is timed after a warm-up call, as the median and
 min/max of the repeats, the first (compiling) call reported on its own, with the calls of
@@ -32,16 +32,13 @@ import numpy as np
 import optax
 
 import eqrope
+from _shapes import SMOLLM2_135M as HF_SMOLLM2_135M, eqrope_config
 from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
-# huggingface.co/HuggingFaceTB/SmolLM2-135M, config.json, as eqrope's config (the same
-# fields as `_real_shapes.SMOLLM2_135M`, which imports torch); max_len only bounds caches.
-SMOLLM2_135M = dict(
-    vocab_size=49152, d_model=576, n_heads=9, n_blocks=30, max_len=2048, d_ff=1536,
-    n_kv_heads=3, rope_base=100000.0, norm_eps=1e-5, tie_embeddings=True, head_bias=False,
-)  # fmt: skip
+# The published SmolLM2-135M shape as eqrope's config; max_len only bounds caches.
+SMOLLM2_135M = eqrope_config(HF_SMOLLM2_135M, max_len=2048)
 TINY = dict(SMOLLM2_135M, vocab_size=256, d_model=72, n_blocks=2, d_ff=32, max_len=256)
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 MODES = {

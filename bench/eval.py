@@ -8,7 +8,7 @@ Needs the `[eval]` extra and lm-eval's `hf` model (torch, transformers, accelera
 Writes `eval_cpu.json` to `--out` (default `bench/results/latest/`, ignored by git;
 `--save` writes `bench/results/eval_cpu.json`) and prints a table. Nothing is downloaded:
 
-1. A checkpoint of the SmolLM2-135M shape (sizes from `_real_shapes.SMOLLM2_135M`:
+1. A checkpoint of the SmolLM2-135M shape (sizes from `_shapes.SMOLLM2_135M`:
    hidden 576, 30 layers, 9 heads, 3 key/value heads, d_ff 1536, vocabulary 49152, tied
    embeddings), random float32 weights, built with transformers' `LlamaConfig` and
    `save_pretrained`, beside a byte-level BPE tokenizer trained with `tokenizers` on the
@@ -204,7 +204,7 @@ def write_checkpoint(cfg: dict, corpus: list[str], folder: pathlib.Path) -> dict
     import tokenizers
     import torch
     import transformers
-    from _real_shapes import SMOLLM2_135M
+    from _shapes import SMOLLM2_135M
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     backend = tokenizers.Tokenizer(models.BPE())

@@ -29,20 +29,8 @@ import time
 import eqrope
 from _fresh import fresh_first_call
 from _protocols import SEED_MODEL
-from _real_shapes import QWEN25_05B, SMOLLM2_135M
+from _shapes import QWEN25_05B, SMOLLM2_135M, eqrope_config
 from _timing import add_output_arguments, log, machine_info, results_folder, write_json
-
-
-def config_of(fields: dict, n_blocks: int | None = None) -> dict:
-    """A transformers config dict (`_real_shapes.py`) as an eqrope config dict."""
-    c = eqrope.DecoderConfig(
-        vocab_size=fields["vocab_size"], d_model=fields["hidden_size"],
-        n_heads=fields["num_attention_heads"], n_kv_heads=fields["num_key_value_heads"],
-        n_blocks=n_blocks or fields["num_hidden_layers"], d_ff=fields["intermediate_size"],
-        max_len=2048, rope_base=fields["rope_theta"], norm_eps=fields["rms_norm_eps"],
-        tie_embeddings=fields["tie_word_embeddings"], head_bias=False,
-    )  # fmt: skip
-    return c.to_dict()
 
 
 def summary(records: list[dict], key: str = "first_s") -> dict:
@@ -136,11 +124,11 @@ def main(argv=None) -> dict:
         shapes = {"smollm2_135m": ({**SMOLLM2_135M, **tiny}, 8)}
     for name, (fields, new) in shapes.items():
         log(f"[{mode}] {name}, fresh processes")
-        config = config_of(fields, None if cfg["real"] else 2)
+        config = eqrope_config(fields, n_blocks=None if cfg["real"] else 2)
         result[name] = first_calls(config, 32, new, cfg["real_repeats"], warm=False)
     if cfg["ttft_repeats"]:
         log(f"[{mode}] time to the first token")
-        config = config_of(shapes["smollm2_135m"][0], None if cfg["real"] else 2)
+        config = eqrope_config(shapes["smollm2_135m"][0], n_blocks=None if cfg["real"] else 2)
         result["first_token"] = first_token(config, 32, cfg["ttft_repeats"])
     result["targets"] = targets(result)
     result["wall_s"] = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """What the KV cache buys, what bounds a decode step, and how far eqrope is from the floor.
 
-    python bench/kv_cache.py            # --quick, the default: a few minutes on 2 cores
+    python bench/kv_cache.py            # --quick, the default: about 5 minutes on 2 cores
     python bench/kv_cache.py --full     # more repeats and sizes
     python bench/kv_cache.py --tiny --out /tmp/x   # tiny sizes, 1 repeat (for the tests)
     python bench/kv_cache.py --save     # update the committed bench/results/

@@ -44,18 +44,15 @@ import numpy as np
 import optax
 
 import eqrope
+from _shapes import SMOLLM2_135M as HF_SMOLLM2_135M, eqrope_config
 from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
 
 # The growth model of the kv_cache chapter.
 GROWTH = dict(vocab_size=256, d_model=256, n_heads=4, n_blocks=4, max_len=1024, d_ff=1024)
-# huggingface.co/HuggingFaceTB/SmolLM2-135M, config.json, as eqrope's config (the fields of
-# `_real_shapes.SMOLLM2_135M`, which imports torch); max_len only bounds caches.
-SMOLLM2_135M = dict(
-    vocab_size=49152, d_model=576, n_heads=9, n_blocks=30, max_len=2048, d_ff=1536,
-    n_kv_heads=3, rope_base=100000.0, norm_eps=1e-5, tie_embeddings=True, head_bias=False,
-)  # fmt: skip
+# The published SmolLM2-135M shape as eqrope's config; max_len only bounds caches.
+SMOLLM2_135M = eqrope_config(HF_SMOLLM2_135M, max_len=2048)
 TINY = dict(vocab_size=64, d_model=32, n_heads=2, n_blocks=1, max_len=64, d_ff=64)
 TINY_XLA_FLAGS = "--xla_backend_optimization_level=0"
 TARGET_ID = 7
