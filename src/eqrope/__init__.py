@@ -1,7 +1,7 @@
 """eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox.
 
 The public API is `eqrope.NAME`; the folders group it by concern: `model`, `generation`,
-`text`, `weights`, `training`, `adapters`, `rl`, `sharding` and `eval`.
+`text`, `weights`, `training`, `adapters`, `rl`, `sharding`, `eval` and `serving`.
 """
 
 from ._compilation_cache import use_compilation_cache as use_compilation_cache
@@ -55,6 +55,12 @@ from .rl import (
     grpo_objective as grpo_objective,
     make_grpo_step as make_grpo_step,
     rollout_logprobs as rollout_logprobs,
+)
+from .serving import (
+    Completion as Completion,
+    Engine as Engine,
+    EngineStats as EngineStats,
+    Event as Event,
 )
 from .sharding import (
     ShardingRules as ShardingRules,

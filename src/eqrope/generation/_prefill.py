@@ -65,10 +65,13 @@ def prefill_rows(
 
         def row(ids, length, cache, last):
             piece = jax.lax.dynamic_slice(ids, (start,), (size,))
-            logits, cache = model.prefill(piece, cache, start, check=False)
             index = length - 1 - start
             here = (index >= 0) & (index < size)
-            last = jnp.where(here, logits[jnp.clip(index, 0, size - 1)].astype(last.dtype), last)
+            # The head runs on the one row whose logits are kept (the largest product at
+            # a large vocabulary), not on the whole piece.
+            at = jnp.clip(index, 0, size - 1).astype(jnp.int32)[None]
+            logits, cache = model.prefill(piece, cache, start, check=False, logits_at=at)
+            last = jnp.where(here, logits[0].astype(last.dtype), last)
             return cache, last
 
         return over_rows(row, buffer, lengths, *carry)

@@ -154,10 +154,23 @@ def parse_request(
     max_new = min(settings.max_new, rows)  # the cache stops the text first; keeps it an int32
     if settings.temperature > 0 and key is None:
         raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
-    eos_ids, bad_ids, stop = _check_ids(settings, vocab)
+    sampling, eos_ids = sampling_of(settings, vocab)
     pad_id = settings.pad_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
+    request = Request(
+        batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id,
+        settings.num_samples, stream,
+    )  # fmt: skip
+    return _check_program(
+        request, model, draft, draft_len, accept, check_finite, prefill_chunk, mesh, rules
+    )
+
+
+def sampling_of(settings: GenerationConfig, vocab: int | None) -> tuple[Sampling, list[int]]:
+    """The `Sampling` arrays of checked `settings` (ids checked against `vocab`), and the
+    EOS ids. `generate` and the engine build a request's sampling record here alone."""
+    eos_ids, bad_ids, stop = _check_ids(settings, vocab)
     limit = vocab if vocab is not None else np.iinfo(np.int32).max
     # A top_k of at least the vocabulary keeps everything, whatever its size.
     top_k = limit if settings.top_k is None else min(settings.top_k, limit)
@@ -175,13 +188,7 @@ def parse_request(
         bad=_padded(bad_ids),
         stop=stop_table(stop),
     )
-    request = Request(
-        batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id,
-        settings.num_samples, stream,
-    )  # fmt: skip
-    return _check_program(
-        request, model, draft, draft_len, accept, check_finite, prefill_chunk, mesh, rules
-    )
+    return sampling, eos_ids
 
 
 def _check_program(request, model, draft, draft_len, accept, check_finite, chunk, mesh, rules):

@@ -46,8 +46,9 @@ class Sampling(NamedTuple):
     stop: Int[ArrayLike, "n_stop stop_len"] = np.full((4, 4), -1, np.int32)
 
 
-def penalties_on(sampling: Sampling) -> Bool[Array, ""]:
-    """Whether any penalty of the call changes a logit (a setting, the same for every row)."""
+def penalties_on(sampling: Sampling) -> Bool[Array, "*rows"]:
+    """Whether any penalty of the call changes a logit (a setting, the same for every row;
+    for settings per row, each row's)."""
     return (
         (jnp.asarray(sampling.repetition_penalty) != 1)
         | (jnp.asarray(sampling.presence_penalty) != 0)
@@ -106,6 +107,34 @@ def choose_token(
     logits = logits.astype(jnp.float32)
     token, logprob = sample_token(process_logits(logits, history, n_new, sampling), key, position, sampling)
     return token, logprob, model_logprob(logits, token, sampling)
+
+
+def choose_rows(
+    logits: Float[Array, "rows vocab"],
+    history: History,
+    n_new: Int[Array, " rows"],
+    keys: UInt[Array, "rows 2"] | Key[Array, " rows"],
+    positions: Int[Array, " rows"],
+    sampling: Sampling,
+) -> tuple[Int[Array, " rows"], Float[Array, " rows"], Float[Array, " rows"]]:
+    """`choose_token` for each row with the row's own settings (every field of `sampling`
+    with a leading rows axis): the engine's slots.
+
+    Under `jax.vmap` a per-row temperature would turn the greedy-or-sample branch into a
+    select that sorts the vocabulary for every row at every step; when no row samples,
+    the greedy branch runs alone, as it does for a `generate` call. Each row's token is
+    the one `choose_token` gives that row alone.
+    """
+    def some_sample(_):
+        return jax.vmap(choose_token)(logits, history, n_new, keys, positions, sampling)
+
+    def all_greedy(_):
+        greedy = sampling._replace(temperature=jnp.zeros((), jnp.float32))
+        axes = Sampling(*(None if name == "temperature" else 0 for name in Sampling._fields))
+        choose = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, axes))
+        return choose(logits, history, n_new, keys, positions, greedy)
+
+    return jax.lax.cond(jnp.any(jnp.asarray(sampling.temperature) > 0), some_sample, all_greedy, None)
 
 
 def model_logprob(

@@ -77,6 +77,9 @@ def commit(
 
     A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
     tokens before this one, after `max_new` new tokens, or when the cache is full.
+
+    `sampling` holds the settings of every row (`generate`), or of each row, with a
+    leading rows axis on every field (the engine's slots); `max_new` likewise.
     """
     batch, max_len = text.tokens.shape
     pos, rows = text.pos, jnp.arange(batch)
@@ -88,12 +91,14 @@ def commit(
     if listener is not None:
         emit(listener, tok, pos, active)
     n_new = text.n_new + active.astype(jnp.int32)
-    is_eos = jnp.any(tok[:, None] == sampling.eos[None, :], axis=-1)
+    per_row = jnp.ndim(sampling.stop) == 3
+    eos = jnp.asarray(sampling.eos)
+    is_eos = jnp.any(tok[:, None] == (eos if per_row else eos[None, :]), axis=-1)
     # Settings-level branches (one predicate for every row): a call without stop
     # sequences or penalties skips matching and counting at every step.
     is_stop = jax.lax.cond(
         jnp.any(jnp.asarray(sampling.stop) != NONE),
-        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, None))(tokens, pos, sampling.stop),
+        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, 0 if per_row else None))(tokens, pos, sampling.stop),
         lambda: jnp.zeros((batch,), jnp.bool_),
     )
     may_end = text.n_new >= sampling.min_new
@@ -103,7 +108,7 @@ def commit(
         n_new=n_new,
         done=text.done | (active & ends),
         history=jax.lax.cond(
-            penalties_on(sampling),
+            jnp.any(penalties_on(sampling)),
             lambda h: jax.vmap(record)(h, tok, active),
             lambda h: h,
             text.history,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from ._block import DecoderBlock
+from ._block_cache import CacheView
 from ._cache import DEFAULT_CHUNK, KVCache, NewRows
 from .._checks import as_int_array, check_span, check_vocab, on_device
 from ._config import SIZES, DecoderConfig
@@ -172,12 +173,17 @@ class RotaryDecoder(eqx.Module):
         self,
         ids: Int[Array, " seq"],
         positions: Int[Array, " seq"],
-        cache: KVCache | None = None,
+        cache: CacheView | None = None,
         *,
         kv_bound: Int[Array, ""] | None = None,
         kv_low: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "seq vocab"], NewRows, NewRows]:
+        logits_at: Int[Array, " rows"] | None = None,
+    ) -> tuple[Float[Array, "rows vocab"], NewRows, NewRows]:
         """The unchecked core: logits and each block's new keys and values.
+
+        `logits_at` picks the rows whose logits are computed (default: every row): a
+        prefill that needs only its last position's logits skips the head's product for
+        the others, the largest product of a model with a large vocabulary.
 
         `positions` must be consecutive; the cache rows `r < positions[0]` are attended,
         and chunks of cache rows at or past `kv_bound` (default `positions[0]`), or, with a
@@ -188,6 +194,8 @@ class RotaryDecoder(eqx.Module):
         x = self._embed(ids, positions)
         run = unroll_blocks if isinstance(self.blocks, tuple) else scan_blocks
         x, keys, values = run(self.blocks, self.config, x, positions, cache, kv_bound, kv_low)
+        if logits_at is not None:
+            x = x[logits_at]
         return self._logits(x), keys, values
 
     def _embed(self, ids, positions):
@@ -248,7 +256,8 @@ class RotaryDecoder(eqx.Module):
         check: bool = True,
         kv_bound: Int[Array, ""] | None = None,
         kv_low: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "seq vocab"], KVCache]:
+        logits_at: Int[Array, " rows"] | None = None,
+    ) -> tuple[Float[Array, "rows vocab"], KVCache]:
         """Run `ids` at positions `pos .. pos + seq - 1` in one pass against `cache`.
 
         Each query attends to the cache rows before `pos` and causally to the new rows (the
@@ -271,7 +280,11 @@ class RotaryDecoder(eqx.Module):
         (the batch's largest `pos`) and `kv_low` (its smallest), or every chunk is
         computed. Neither changes the result.
 
-        **Returns:** `(logits, cache)`, logits for every row of `ids`.
+        `logits_at` picks the rows of `ids` whose logits are computed (default: every
+        row): a prefill that needs only its last token's logits skips the head's product
+        for the others (the largest product of a model with a large vocabulary).
+
+        **Returns:** `(logits, cache)`, logits for every row of `ids` (or those of `logits_at`).
         """
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}.")
@@ -292,8 +305,11 @@ class RotaryDecoder(eqx.Module):
         if cache.per_block and not cache.quantized:
             x = self._embed(ids, positions)
             x, cache = decode_in_place(self.blocks, self.config, x, positions, cache, kv_bound, kv_low)
+            x = x if logits_at is None else x[logits_at]
             return self._logits(x), cache.advance(pos, ids.shape[0])
-        logits, keys, values = self.forward(ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low)
+        logits, keys, values = self.forward(
+            ids, positions, cache, kv_bound=kv_bound, kv_low=kv_low, logits_at=logits_at
+        )
         return logits, cache.write(keys, values, pos)
 
     def step(

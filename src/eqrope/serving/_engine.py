@@ -1,0 +1,381 @@
+"""`eqrope.Engine`: many requests at once, continuous batching over a paged key/value cache.
+
+The loop (`step`) is nano-vllm's `LLMEngine.step` and Levanter's `InferenceEngine` in one
+page: admit waiting requests (`_scheduler.py`), run one prefill call of a few prompt
+pieces, put prompts that are done into slots (their first token), run one compiled chunk
+of decode steps over the running slots, and report what each sample added. Finished
+samples free their slot and pages between chunks, and the next waiting request takes them.
+"""
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import numpy as np
+
+from .._checks import check_int
+from ..generation import GenerationConfig
+from ..generation._generation_config import resolve
+from ..generation._hf_generation_config import refuse_hf_keywords
+from ._pages import PagePool, page_hashes
+from ._paged_cache import pool_pages
+from ._runner import Runner
+from ._scheduler import Scheduler
+from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
+from ._settings import Capacities, check_prompt, idle_sampling, request_sampling, sample_keys, stack_rows
+
+
+class Engine:
+    """Continuous batching of many requests over one model, in process.
+
+    **Arguments:**
+
+    - `model`: an [`eqrope.RotaryDecoder`][] (either layout; the engine decodes its
+      unstacked form).
+    - `slots`: how many samples decode at once.
+    - `page_size`: rows (positions) per page of the key/value pool.
+    - `pages`: pages in the pool, the null page included. `None` sizes it from
+      `kv_memory`, or, without it, for every slot at `max_len` (no request ever waits for
+      pages while a slot is free): `slots * max_len / page_size + 1`.
+    - `kv_memory`: a budget in bytes for the pool's keys and values (with `pages=None`).
+    - `max_len`: the most positions of one sample (prompt plus new tokens); `None`: the
+      model's. A multiple of `prefill_chunk`.
+    - `prefill_chunk`: the longest prompt piece one prefill call computes per prompt; a
+      long prompt is prefilled in pieces of this size, and a running decode waits at most
+      one prefill call. A shorter last piece takes the smallest power of two from 16 (or
+      `prefill_chunk`, if smaller) that holds it: one program per size.
+    - `prefill_rows`: the most prompts one prefill call holds.
+    - `decode_steps`: the most decode steps of one compiled chunk; a chunk ends early
+      when a sample finishes while a request waits for its slot.
+    - `decode_buckets`: the slot counts the decode program is compiled for (default:
+      powers of two up to `slots`); a chunk runs the smallest that holds the running samples.
+    - `max_waiting`: the most requests waiting for admission; `submit` refuses more.
+    - `max_eos_ids`, `max_bad_ids`, `max_stop`, `max_stop_len`: the most ids one request
+      may carry (shapes of the programs).
+    - `check_finite`: stop a sample whose logits hold a NaN or an infinity
+      (`finish_reason` `"nonfinite"`).
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        slots: int,
+        page_size: int = 16,
+        pages: int | None = None,
+        kv_memory: int | None = None,
+        max_len: int | None = None,
+        prefill_chunk: int = 64,
+        prefill_rows: int = 4,
+        decode_steps: int = 16,
+        decode_buckets: tuple[int, ...] | None = None,
+        max_waiting: int = 1024,
+        max_eos_ids: int = 8,
+        max_bad_ids: int = 64,
+        max_stop: int = 8,
+        max_stop_len: int = 8,
+        check_finite: bool = True,
+    ):
+        if not hasattr(model, "unstacked") or not hasattr(model, "config"):
+            raise TypeError(f"model must be an eqrope.RotaryDecoder, got {type(model).__name__}.")
+        if model.fixed_rows is not None:
+            raise ValueError("the engine runs one model for every request; merge per-row adapters first.")
+        config = model.config
+        self.slots = check_int(slots, "slots", minimum=1)
+        self.page_size = check_int(page_size, "page_size", minimum=1)
+        self.prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        self.max_len = config.max_len if max_len is None else check_int(max_len, "max_len", minimum=1)
+        if self.max_len > config.max_len:
+            raise ValueError(f"max_len={self.max_len}, but the model holds {config.max_len} positions.")
+        if self.prefill_chunk % self.page_size or self.max_len % self.prefill_chunk:
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk} must be a multiple of page_size={page_size}, "
+                f"and max_len={self.max_len} a multiple of prefill_chunk."
+            )
+        self.prefill_rows = check_int(prefill_rows, "prefill_rows", minimum=1)
+        self.decode_steps = check_int(decode_steps, "decode_steps", minimum=1)
+        self.max_waiting = check_int(max_waiting, "max_waiting", minimum=1)
+        self.check_finite = np.bool_(check_finite)
+        self.caps = Capacities(max_eos_ids, max_bad_ids, max_stop, max_stop_len)
+        self.max_pages = self.max_len // self.page_size
+        if pages is None:
+            pages = (
+                self.slots * self.max_pages + 1
+                if kv_memory is None
+                else pool_pages(check_int(kv_memory, "kv_memory", minimum=1), config, self.page_size)
+            )
+        pages = check_int(pages, "pages", minimum=2)
+        self.vocab = config.vocab_size
+        self.runner = Runner(
+            model, slots=self.slots, pages=pages, page_size=self.page_size, max_len=self.max_len,
+            chunk=self.prefill_chunk,
+        )  # fmt: skip
+        self.scheduler = Scheduler(PagePool(pages, self.page_size), self.slots, self.prefill_chunk, self.max_waiting)
+        self.prefill_sizes = _powers(min(16, self.prefill_chunk), self.prefill_chunk)
+        self.prefill_buckets = _powers(1, self.prefill_rows)
+        self.decode_buckets = tuple(sorted(decode_buckets or _powers(1, self.slots)))
+        if self.decode_buckets[-1] < self.slots:
+            raise ValueError(f"decode_buckets={decode_buckets} must include one >= slots={slots}.")
+        self._idle = idle_sampling(self.vocab, self.caps)
+        self._sampling = [self._idle] * self.slots
+        self._keys = np.zeros((self.slots, 2), np.uint32)
+        self._max_new = np.zeros((self.slots,), np.int32)
+        self._ids = itertools.count()
+        self._requests: dict[int, Request] = {}  # waiting, prefilling or running
+        self._kept: dict[int, Request | None] = {}  # finished requests `generate` waits for
+        self._pending: list[Event] = []
+        self._computed = 0
+
+    # -- the online calls --------------------------------------------------------------
+
+    def submit(self, prompt, config: GenerationConfig | None = None, *, key=None, **settings) -> int:
+        """Queue one 1-D prompt with its settings and key. **Returns:** its request id.
+
+        The settings are `config`'s (a [`eqrope.GenerationConfig`][], `max_new`
+        required) with `settings` (its fields as keywords, as `generate` takes them) over
+        it. `key` samples, as `generate(prompt, key=key)` would; `None`:
+        `jax.random.key(request_id)`.
+
+        Refuses, by a `ValueError` naming the fix, a prompt that cannot fit `max_len`,
+        settings past the engine's capacities, more samples than slots, or a request
+        larger than the whole pool; by a `TypeError` an unknown setting; and by a
+        `RuntimeError` a full waiting queue (nothing is dropped: the caller keeps it).
+        """
+        refuse_hf_keywords(settings, "Engine.submit")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(GenerationConfig)})
+        if unknown:
+            raise TypeError(
+                f"Engine.submit got unknown settings {unknown}; the settings are "
+                "GenerationConfig's fields (docs/generation.md)."
+            )
+        config = resolve(config, settings)
+        if config.max_new is None:
+            raise ValueError("config needs max_new, the most new tokens: GenerationConfig(max_new=...).")
+        prompt = check_prompt(prompt, self.vocab, self.max_len, config.max_new)
+        sampling = request_sampling(config, self.vocab, self.caps)
+        samples = config.num_samples
+        if (samples or 1) > self.slots:
+            raise ValueError(f"num_samples={samples} is more than the engine's {self.slots} slots.")
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise RuntimeError(
+                f"the engine's waiting queue is full ({self.max_waiting} requests); step() until "
+                "some are admitted, or build the Engine with a larger max_waiting."
+            )
+        request_id = next(self._ids)
+        key = jax.random.key(request_id) if key is None else key
+        request = Request(
+            request_id, prompt, config, sampling, config.max_new, sample_keys(key, samples),
+            page_hashes(prompt.tolist(), self.page_size),
+        )  # fmt: skip
+        worst = self.scheduler.worst_case(request)
+        if worst > self.scheduler.pool.n_pages - 1:
+            raise ValueError(
+                f"the request needs up to {worst} pages of {self.page_size} positions, but the "
+                f"pool holds {self.scheduler.pool.n_pages - 1}; lower max_new or num_samples, or "
+                "build the Engine with more pages."
+            )
+        self._requests[request_id] = request
+        self.scheduler.waiting.append(request)
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        """End a request now: its slots and pages are freed at once, and the next `step`
+        reports each sample with `finish_reason` `"cancelled"`."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"no request {request_id} is waiting or running.")
+        self.scheduler.drop(request)
+        if not request.sequences:  # waiting or prefilling: its samples end before a token
+            request.sequences = [Sequence(request, i, -1, [], len(request.prompt)) for i in range(request.samples)]
+        for sequence in request.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "cancelled"
+                if sequence.slot >= 0:
+                    self.scheduler.finish(sequence)
+                self._pending.append(sequence.event())
+        self._finished(request)
+
+    def step(self) -> list[Event]:
+        """Admit, prefill, start and decode once. **Returns:** every event since the last call."""
+        events, self._pending = self._pending, []
+        self.scheduler.admit()
+        started = self._prefill()
+        while self.scheduler.prefilling and not self.scheduler.running():
+            started += self._prefill()
+        if self.scheduler.running():
+            # While prompts wait for their pieces, or a first token was just drawn, the
+            # chunk is one step: a running request waits at most one prefill call, and a
+            # new one's first token is reported without waiting for a whole chunk.
+            short = bool(self.scheduler.prefilling or started)
+            return events + started + self._decode(1 if short else self.decode_steps)
+        return events + started
+
+    @property
+    def stats(self) -> EngineStats:
+        pool, scheduler = self.scheduler.pool, self.scheduler
+        per_page = self.runner.pool.bytes_per_page()
+        return EngineStats(
+            pages_total=pool.n_pages - 1, pages_free=pool.free, pages_used=pool.used,
+            pages_cached=pool.cached, running=len(scheduler.running()),
+            prefilling=len(scheduler.prefilling), waiting=len(scheduler.waiting),
+            tokens_held=scheduler.tokens_held(), kv_bytes_held=pool.used * per_page,
+            kv_bytes_per_token=per_page // self.page_size, prefix_hit_tokens=scheduler.hit_rows,
+            prompt_tokens_computed=self._computed,
+        )  # fmt: skip
+
+    def warmup(self) -> int:
+        """Compile every program the engine can run (each prefill size and row count,
+        each decode bucket, the start and the page copy, and the keys' derivations) on an
+        idle engine, writing nothing any request reads. **Returns:** how many programs ran."""
+        if self.has_work():
+            raise RuntimeError("warm up an idle engine, before the first submit.")
+        for samples in (None, *range(2, self.slots + 1)):
+            sample_keys(jax.random.key(0), samples)
+        shapes = [(rows, size) for rows in self.prefill_buckets for size in self.prefill_sizes]
+        return self.runner.warmup(shapes, self.decode_buckets, self._idle, self.check_finite)
+
+    def has_work(self) -> bool:
+        """Whether a request is waiting, prefilling or running, or an event is unreported."""
+        s = self.scheduler
+        return bool(s.waiting or s.prefilling or s.running() or self._pending)
+
+    # -- the offline call --------------------------------------------------------------
+
+    def generate(self, prompts, configs=None, *, keys=None) -> list:
+        """Run every prompt to its end, like vLLM's `LLM.generate`.
+
+        **Arguments:** `prompts`, a list of 1-D id arrays; `configs`, one
+        `GenerationConfig` for all or a list with one per prompt; `keys`, one PRNG key per
+        prompt, or `None`: prompt `i` samples with `jax.random.key(i)`.
+
+        **Returns:** one entry per prompt, in order: a `Completion`, or a list of
+        `num_samples` of them.
+        """
+        prompts = list(prompts)
+        configs = list(configs) if isinstance(configs, (list, tuple)) else [configs] * len(prompts)
+        keys = [jax.random.key(i) for i in range(len(prompts))] if keys is None else list(keys)
+        if not (len(configs) == len(keys) == len(prompts)):
+            raise ValueError(
+                f"{len(prompts)} prompts need as many configs and keys, got {len(configs)} "
+                f"configs and {len(keys)} keys."
+            )
+        ids, queue = [], list(range(len(prompts)))[::-1]
+        while queue or self.has_work():
+            while queue and len(self.scheduler.waiting) < self.max_waiting:
+                i = queue.pop()
+                ids.append(self.submit(prompts[i], configs[i], key=keys[i]))
+                self._kept[ids[-1]] = None
+            self.step()
+        results = []
+        for request_id in ids:
+            request = self._kept.pop(request_id)
+            done = [s.completion() for s in request.sequences]
+            results.append(done if request.config.num_samples is not None else done[0])
+        return results
+
+    # -- the device side ---------------------------------------------------------------
+
+    def _prefill(self) -> list[Event]:
+        """One prefill call: the next pieces of up to `prefill_rows` prompts of one size."""
+        scheduler = self.scheduler
+        if not scheduler.prefilling:
+            return []
+        size = self._piece(scheduler.prefilling[0])
+        group = [r for r in scheduler.prefilling if self._piece(r) == size][: self.prefill_rows]
+        rows = next(b for b in self.prefill_buckets if b >= len(group))
+        ids = np.zeros((rows, size), np.int32)
+        tables = np.zeros((rows, self.max_pages), np.int32)
+        starts, last, live = np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool)
+        for r, request in enumerate(group):
+            start, length = request.prefilled, len(request.prompt)
+            piece = request.prompt[start : start + size]
+            ids[r, : len(piece)] = piece
+            scheduler.grow(request, min(start + size, length), request)
+            tables[r, : len(request.pages)] = request.pages
+            starts[r], last[r], live[r] = start, min(length - 1 - start, size - 1), True
+            self._computed += len(piece)
+        logits = self.runner.prefill(tables, ids, starts, last, live)
+        events = []
+        for r, request in enumerate(group):
+            request.prefilled = min(request.prefilled + size, len(request.prompt))
+            if request.prefilled == len(request.prompt):
+                scheduler.prefilled(request)
+                events += self._start(request, logits[r])
+        return events
+
+    def _piece(self, request: Request) -> int:
+        left = len(request.prompt) - request.prefilled
+        return next((s for s in self.prefill_sizes if s >= left), self.prefill_chunk)
+
+    def _start(self, request: Request, logits) -> list[Event]:
+        sequences = self.scheduler.start(request)
+        if request.copies:
+            self.runner.copy(request.copies)
+        firsts = []
+        for sequence in sequences:
+            slot = sequence.slot
+            self._sampling[slot] = request.sampling
+            self._keys[slot] = request.keys[sequence.sample]
+            self._max_new[slot] = request.max_new
+            firsts.append(self.runner.start(
+                slot, logits, request.prompt, request.sampling, self._keys[slot], request.max_new,
+                self.check_finite,
+            ))  # fmt: skip
+        events = []
+        for sequence, (token, logprob, done, nonfinite) in zip(sequences, jax.device_get(firsts)):
+            tokens, logprobs = ([], []) if nonfinite else ([token], [logprob])
+            events += self._read(sequence, tokens, logprobs, done, nonfinite)
+        return events
+
+    def _decode(self, steps: int) -> list[Event]:
+        scheduler = self.scheduler
+        running = scheduler.running()
+        for sequence in running:
+            rows = min(sequence.pos - 1 + steps, sequence.request.end - 1)
+            scheduler.grow(sequence, rows, sequence.request)
+        bucket = next(b for b in self.decode_buckets if b >= len(running))
+        idle = [i for i, s in enumerate(scheduler.slots) if s is None or s.finish_reason is not None]
+        rows = [s.slot for s in running] + idle[: bucket - len(running)]
+        tables = np.zeros((bucket, self.max_pages), np.int32)
+        for r, sequence in enumerate(running):
+            tables[r, : len(sequence.pages)] = sequence.pages
+        live = np.arange(bucket) < len(running)
+        # A waiting request takes the first slot that frees: end the chunk there.
+        exit_after = 1 if scheduler.waiting else bucket + 1
+        sampling = stack_rows([self._sampling[i] if live[r] else self._idle for r, i in enumerate(rows)])
+        view = self.runner.decode(
+            rows, live, tables, sampling, self._keys[rows], self._max_new[rows], steps, exit_after,
+            self.check_finite,
+        )  # fmt: skip
+        events = []
+        for r, sequence in enumerate(running):
+            new = slice(sequence.pos, int(view["pos"][r]))
+            events += self._read(
+                sequence, view["tokens"][r, new], view["logprobs"][r, new], view["done"][r],
+                view["nonfinite"][r],
+            )  # fmt: skip
+        return events
+
+    def _read(self, sequence, tokens, logprobs, done, nonfinite) -> list[Event]:
+        """Take a sample's new tokens; end it if the device did. **Returns:** its event."""
+        sequence.take(list(tokens), list(logprobs))
+        if done:
+            sequence.finish_reason = finish_reason(sequence, bool(nonfinite))
+            self.scheduler.finish(sequence)
+            if sequence.request.finished:
+                self._finished(sequence.request)
+        return [sequence.event()] if (sequence.sent < len(sequence.tokens) or done) else []
+
+    def _finished(self, request: Request) -> None:
+        """A request whose samples have all ended leaves the engine (kept for `generate`)."""
+        self._requests.pop(request.id, None)
+        if request.id in self._kept:
+            self._kept[request.id] = request
+
+
+def _powers(low: int, high: int) -> tuple[int, ...]:
+    """`low, 2 low, 4 low, ...` below `high`, then `high`."""
+    sizes = [low * 2**k for k in range(max(0, math.ceil(math.log2(high / low))))]
+    return tuple(s for s in sizes if s < high) + (high,)
+
