@@ -175,8 +175,12 @@ def test_online_calls_report_events_and_cancel_frees_at_once(model):
     events += engine.step()
     cancelled = [e for e in events if e.request_id == ids[0] and e.finished]
     assert [e.finish_reason for e in cancelled] == ["cancelled"]
+    page_bytes = engine.stats.kv_bytes_per_token * ENGINE["page_size"]
     while engine.has_work():
         events += engine.step()
+        # Memory follows the tokens: at most one partly written page per slot.
+        s = engine.stats
+        assert s.kv_bytes_held <= s.tokens_held * s.kv_bytes_per_token + engine.slots * page_bytes
     text = {i: np.concatenate([e.tokens for e in events if e.request_id == i]) for i in ids[1:]}
     for i, p in zip(ids[1:], ps[1:]):
         np.testing.assert_array_equal(text[i], alone(model, p, Config(max_new=30))[0])
@@ -244,3 +248,22 @@ def test_x64_mode_gives_the_same_tokens(model):
         out = engine.generate(ps, configs, keys=keys)
     for p, c, k, o in zip(ps, configs, keys, out):
         np.testing.assert_array_equal(o.tokens, alone(model, p, c, k)[0])
+
+
+def test_memory_follows_the_tokens_held(model):
+    """After every step, the pages held are at most the tokens held plus one partly
+    written page per slot, though chunks end early (requests wait) after allocating
+    their lookahead."""
+    engine = eqrope.Engine(model, slots=2, decode_buckets=(2,), **ENGINE)
+    for p, n in zip(prompts(6, seed=11, low=3, high=12), [3, 17, 5, 11, 2, 9]):
+        engine.submit(p, max_new=n)
+    page = engine.stats.kv_bytes_per_token * ENGINE["page_size"]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        s = engine.stats
+        assert s.kv_bytes_held <= s.tokens_held * s.kv_bytes_per_token + engine.slots * page, steps
+        for sample in engine.scheduler.running():  # each holds only the pages its rows fill
+            assert len(sample.pages) == -(-(sample.pos - 1) // ENGINE["page_size"]), steps
+    assert engine.stats.pages_used == 0

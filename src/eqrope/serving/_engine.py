@@ -355,6 +355,8 @@ class Engine:
                 sequence, view["tokens"][r, new], view["logprobs"][r, new], view["done"][r],
                 view["nonfinite"][r],
             )  # fmt: skip
+            if sequence.finish_reason is None:
+                scheduler.trim(sequence)
         return events
 
     def _read(self, sequence, tokens, logprobs, done, nonfinite) -> list[Event]:

@@ -85,6 +85,16 @@ class Scheduler:
         while len(holder.pages) * self.pool.page_size < rows:
             holder.pages.append(self.allocate(request))
 
+    def trim(self, sequence: Sequence) -> None:
+        """Give back the pages past `sequence`'s written rows (a decode chunk's lookahead
+        that an early exit left unwritten), so that between chunks a sample holds at most
+        one partly written page. Its reservation takes them back."""
+        written = sequence.pos - 1
+        while len(sequence.pages) * self.pool.page_size - self.pool.page_size >= max(written, 1):
+            self.pool.release(sequence.pages.pop())
+            sequence.request.budget += 1
+            self.reserved += 1
+
     def prefilled(self, request: Request) -> None:
         """After its prompt's last piece: register its full pages for later prompts."""
         for page, page_hash in zip(request.pages, request.hashes):
