@@ -267,3 +267,23 @@ def test_memory_follows_the_tokens_held(model):
         for sample in engine.scheduler.running():  # each holds only the pages its rows fill
             assert len(sample.pages) == -(-(sample.pos - 1) // ENGINE["page_size"]), steps
     assert engine.stats.pages_used == 0
+
+
+def test_no_compiles_across_a_thousand_mixed_requests(engine, mixed):
+    """Issue 39's compile target: after the programs exist, 1,000 requests of every
+    setting, length and sample count compile nothing."""
+    rng = np.random.default_rng(12)
+    names = list(SETTINGS)
+    ps = prompts(1000, seed=12, low=1, high=50)
+    configs = [
+        dataclasses.replace(
+            SETTINGS[names[i % len(names)]], max_new=int(rng.integers(1, 6)),
+            num_samples=[None, None, None, 2, 3][i % 5],
+        )
+        for i in range(1000)
+    ]
+    engine.warmup()  # every program, and the keys of 2 and 3 samples
+    with counting() as c:
+        out = engine.generate(ps, configs, keys=[jax.random.key(i) for i in range(1000)])
+    assert sum(c.compiles.values()) == 0, dict(c.compiles)
+    assert len(out) == 1000 and all(len(o) == 3 for o in out[4::5])
