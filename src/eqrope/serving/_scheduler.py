@@ -108,7 +108,6 @@ class Scheduler:
         self.prefilling.remove(request)
         length, size = len(request.prompt), self.pool.page_size
         full = length // size
-        request.copies = []
         slots = self.free_slots()[: request.samples]
         for sample, slot in enumerate(slots):
             if sample == 0:

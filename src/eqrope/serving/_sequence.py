@@ -8,7 +8,6 @@ prompt is prefilled once; then each of its `num_samples` samples (one without
 
 import dataclasses
 import time
-from typing import Any
 
 import numpy as np
 
@@ -99,8 +98,8 @@ class Request:
     prefilled: int = 0
     budget: int = 0
     hit_rows: int = 0
-    logits: Any = None
     sequences: list = dataclasses.field(default_factory=list)
+    copies: list = dataclasses.field(default_factory=list)  # (source, target) pages to copy at start
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
 
     @property
