@@ -189,6 +189,33 @@ def test_online_calls_report_events_and_cancel_frees_at_once(model):
         engine.cancel(ids[0])
 
 
+def test_cancelling_one_sample_leaves_the_others_running(model):
+    # A server's stop string matched in one sample's text: that sample ends, and the
+    # others go on to the tokens they would have drawn anyway.
+    engine = eqrope.Engine(model, slots=3, decode_buckets=(3,), **ENGINE)
+    p = prompts(1, seed=9, low=8, high=9)[0]
+    cfg = Config(max_new=20, temperature=1.0, num_samples=3)
+    with pytest.raises(ValueError, match="before its samples start"):
+        engine.cancel(engine.submit(p, cfg, key=jax.random.key(3)), sample=1)
+    engine.cancel(0)
+    request = engine.submit(p, cfg, key=jax.random.key(3))
+    events = engine.step()
+    held = engine.stats.pages_used
+    engine.cancel(request, sample=1)
+    assert engine.stats.running == 2 and engine.stats.pages_used < held
+    with pytest.raises(ValueError, match="no running sample 3"):
+        engine.cancel(request, sample=3)
+    while engine.has_work():
+        events += engine.step()
+    reasons = {e.sample: e.finish_reason for e in events if e.finished}
+    assert reasons == {0: "length", 1: "cancelled", 2: "length"}
+    want = eqrope.Engine(model, slots=3, decode_buckets=(3,), **ENGINE).generate([p], cfg, keys=[jax.random.key(3)])[0]
+    for sample in (0, 2):
+        got = np.concatenate([e.tokens for e in events if e.sample == sample])
+        np.testing.assert_array_equal(got, want[sample].tokens)
+    assert engine.stats.pages_used == 0
+
+
 def test_bad_input_is_refused_by_name(model):
     small = dict(ENGINE, pages=9)  # never stepped: nothing compiles for its pool
     engine = eqrope.Engine(model, slots=2, max_waiting=2, decode_buckets=(2,), **small)

@@ -168,7 +168,7 @@ def test_readme_first_two_commands_are_what_ci_runs():
 
 def test_readme_installs_torch_from_pytorchs_cpu_index():
     index = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-    assert f"{index} && pip install -c constraints-hf.txt -e \".[hf,eval]\"" in README
+    assert f"{index} && pip install -c constraints-hf.txt -e \".[hf,eval,serve]\"" in README
     assert "local CPU wheel" in README and "about 30 minutes" in README
     # CI's machines cannot reach PyTorch's index: their command stays as it was.
     assert "\npip install torch==2.13.0\n" in (ROOT / ".ci" / "run").read_text()

@@ -46,12 +46,12 @@ runpy.run_path(script, run_name="__main__")
 
 
 def extras_modules() -> list[str]:
-    """The top-level modules of the packages of the `[hf]` and `[eval]` extras, read from
+    """The top-level modules of the packages of the `[hf]`, `[eval]` and `[serve]` extras, read from
     pyproject.toml (a distribution's name, dashes as underscores: lm-eval is lm_eval)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = [
         re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]
-        for extra in ("hf", "eval")
+        for extra in ("hf", "eval", "serve")
         for requirement in project["optional-dependencies"][extra]
     ]
     return sorted({name.replace("-", "_").lower() for name in names})

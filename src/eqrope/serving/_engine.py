@@ -9,7 +9,6 @@ samples free their slot and pages between chunks, and the next waiting request t
 
 import dataclasses
 import itertools
-import math
 
 import jax
 import numpy as np
@@ -23,7 +22,9 @@ from ._paged_cache import pool_pages
 from ._runner import Runner
 from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
-from ._settings import Capacities, check_prompt, idle_sampling, request_sampling, sample_keys, stack_rows
+from ._settings import (
+    Capacities, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys, stack_rows,
+)  # fmt: skip
 
 
 class Engine:
@@ -115,8 +116,8 @@ class Engine:
         self.prefill_sizes = _powers(min(16, self.prefill_chunk), self.prefill_chunk)
         self.prefill_buckets = _powers(1, self.prefill_rows)
         self.decode_buckets = tuple(sorted(decode_buckets or _powers(1, self.slots)))
-        if self.decode_buckets[-1] < self.slots:
-            raise ValueError(f"decode_buckets={decode_buckets} must include one >= slots={slots}.")
+        if self.decode_buckets[-1] != self.slots or self.decode_buckets[0] < 1:
+            raise ValueError(f"decode_buckets={decode_buckets} must be slot counts in [1, slots={slots}], slots among them.")
         self._idle = idle_sampling(self.vocab, self.caps)
         self._sampling = [self._idle] * self.slots
         self._keys = np.zeros((self.slots, 2), np.uint32)
@@ -179,22 +180,43 @@ class Engine:
         self.scheduler.waiting.append(request)
         return request_id
 
-    def cancel(self, request_id: int) -> None:
-        """End a request now: its slots and pages are freed at once, and the next `step`
-        reports each sample with `finish_reason` `"cancelled"`."""
-        request = self._requests.pop(request_id, None)
+    def cancel(self, request_id: int, sample: int | None = None) -> None:
+        """End a request now, or only its sample `sample` (a server whose stop string
+        matched in one sample's text): its slots and pages are freed at once, and the next
+        `step` reports each sample it ended with `finish_reason` `"cancelled"`.
+
+        Raises `KeyError` for a request that has ended or never was, and `ValueError` for
+        a `sample` the request does not have or one that has not started (a request that
+        is waiting or prefilling is cancelled whole).
+        """
+        request = self._requests.get(request_id)
         if request is None:
             raise KeyError(f"no request {request_id} is waiting or running.")
+        if sample is not None:
+            if not request.sequences or not 0 <= sample < request.samples:
+                raise ValueError(
+                    f"request {request_id} has no running sample {sample}: it has "
+                    f"{request.samples} samples and {len(request.sequences)} started; cancel "
+                    "the whole request (sample=None) before its samples start."
+                )
+            self._cancel(request.sequences[sample])
+            if request.finished:
+                self._finished(request)
+            return
+        del self._requests[request_id]
         self.scheduler.drop(request)
         if not request.sequences:  # waiting or prefilling: its samples end before a token
             request.sequences = [Sequence(request, i, -1, [], len(request.prompt)) for i in range(request.samples)]
         for sequence in request.sequences:
-            if sequence.finish_reason is None:
-                sequence.finish_reason = "cancelled"
-                if sequence.slot >= 0:
-                    self.scheduler.finish(sequence)
-                self._pending.append(sequence.event())
+            self._cancel(sequence)
         self._finished(request)
+
+    def _cancel(self, sequence: Sequence) -> None:
+        if sequence.finish_reason is None:
+            sequence.finish_reason = "cancelled"
+            if sequence.slot >= 0:
+                self.scheduler.finish(sequence)
+            self._pending.append(sequence.event())
 
     def step(self) -> list[Event]:
         """Admit, prefill, start and decode once. **Returns:** every event since the last call."""
@@ -374,10 +396,4 @@ class Engine:
         self._requests.pop(request.id, None)
         if request.id in self._kept:
             self._kept[request.id] = request
-
-
-def _powers(low: int, high: int) -> tuple[int, ...]:
-    """`low, 2 low, 4 low, ...` below `high`, then `high`."""
-    sizes = [low * 2**k for k in range(max(0, math.ceil(math.log2(high / low))))]
-    return tuple(s for s in sizes if s < high) + (high,)
 

@@ -7,6 +7,7 @@ the engine argument that raises it.
 """
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -106,3 +107,10 @@ def check_prompt(prompt, vocab: int, max_len: int, max_new: int, name: str = "pr
             f"max_new, or build the Engine with a larger max_len."
         )
     return np.asarray(ids, np.int32)
+
+
+def powers(low: int, high: int) -> tuple[int, ...]:
+    """`low, 2 low, 4 low, ...` below `high`, then `high`."""
+    sizes = [low * 2**k for k in range(max(0, math.ceil(math.log2(high / low))))]
+    return tuple(s for s in sizes if s < high) + (high,)
+
