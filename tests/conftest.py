@@ -1,5 +1,6 @@
 import gc
 import os
+import pathlib
 
 import jax
 import pytest
@@ -24,6 +25,19 @@ def precision(request):
     """
     with jax.enable_x64(request.param == "x64"):
         yield request.param
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """For lm-eval's tasks: no network, a private datasets cache, and the repository as
+    the working directory (the tasks of tests/data/lm_eval name their data files relative
+    to it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
+        patch.chdir(pathlib.Path(__file__).resolve().parents[1])
+        yield
 
 
 # Linux allows a process 65,530 memory mappings (vm.max_map_count), and each program XLA

@@ -42,18 +42,6 @@ TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory):
-    """No network, a private datasets cache, and the repository as the working directory
-    (the tasks name their data files relative to it)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_DATASETS_OFFLINE", "1")
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
-        patch.chdir(ROOT)
-        yield
-
-
 def _records(name: str) -> list[dict]:
     return [json.loads(line) for line in (TASKS / name).read_text().splitlines()]
 

@@ -23,20 +23,6 @@ TASKS = ["eqrope_choice", "eqrope_until"]
 
 
 @pytest.fixture(scope="module")
-def offline(tmp_path_factory):
-    """No network, a private datasets cache, and the repository as the working directory
-    (the tasks name their data files relative to it)."""
-    from pathlib import Path
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_DATASETS_OFFLINE", "1")
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
-        patch.chdir(Path(__file__).resolve().parents[1])
-        yield
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("lm_eval_served"), max_len=128)
 
