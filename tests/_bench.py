@@ -24,11 +24,13 @@ def load(name: str):
     return module
 
 
-def smoke_run(script: str, mode: str, out: pathlib.Path, result: str, *, timeout: float = 600) -> tuple[dict, str]:
-    """Run `bench/{script}.py --{mode} --out out` under `SMOKE_ENV`; return the JSON it
-    wrote (`out / result`) and its stdout, after checking that it exited cleanly."""
+def smoke_run(
+    script: str, mode: str, out: pathlib.Path, result: str, *extra: str, timeout: float = 600
+) -> tuple[dict, str]:
+    """Run `bench/{script}.py --{mode} *extra --out out` under `SMOKE_ENV`; return the JSON
+    it wrote (`out / result`) and its stdout, after checking that it exited cleanly."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH / f"{script}.py"), f"--{mode}", "--out", str(out)],
+        [sys.executable, str(BENCH / f"{script}.py"), f"--{mode}", *extra, "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=SMOKE_ENV,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

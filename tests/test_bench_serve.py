@@ -54,3 +54,28 @@ def test_tiny_run_is_consistent(run):
     assert met["engine / vLLM-CPU (best threads), tokens/s"] is None  # no --peer
     assert p["vllm"] is None
     assert "targets:" in stdout and data["loadavg"]["end"]
+
+
+def test_tiny_http_run_is_consistent(tmp_path):
+    """`--http`: the same workload over HTTP; figures from their own counts."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    data, stdout = smoke_run("serve", "tiny", tmp_path, "serve_http_cpu.json", "--http")
+    w, c = data["workload"], data["closed"]
+    news = workload(w, w["requests"], 0)
+    assert c["new_tokens"] == news and c["all_tokens_counted"] is True
+    assert c["http"]["completed"] == len(news) and c["http"]["total_output_tokens"] == sum(news)
+    assert math.isclose(c["http"]["output_throughput"], sum(news) / c["http"]["duration_s"])
+    assert math.isclose(c["ratio"], c["http"]["output_throughput"] / c["engine"]["tokens_per_s"])
+    assert c["engine"]["compiles_after_warmup"] == 0
+    assert data["exactness"]["http_equals_engine"] == data["exactness"]["checked"] == min(w["check"], len(news))
+    b = data["burst"]
+    assert b["answered_whole"] + b["refused_503_with_retry_after"] == b["requests"] == 10 * w["slots"]
+    assert b["other"] == 0 and b["kv_cache_usage_after"] == 0
+    assert data["fuzz"]["server_errors"] == 0 and sum(data["fuzz"]["statuses"].values()) == w["fuzz"]
+    for p in data["poisson"]:
+        assert p["completed"] == w["poisson_requests"] and p["median_ttft_ms"] <= p["p99_ttft_ms"]
+    f = data["first_token"]
+    assert math.isclose(f["difference_ms"], (f["http"]["median_s"] - f["engine"]["median_s"]) * 1e3)
+    for t in data["targets"]:
+        assert t["met"] in (True, False) and t["name"] in stdout

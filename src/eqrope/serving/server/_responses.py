@@ -68,7 +68,8 @@ class Answer:
             text = self.prompt_text(choice) + text
         end = len(choice.tokens)
         has_tokens = end > choice.logprobs_sent and self.run.job.logprobs is not None
-        if not (text or done or first or has_tokens):
+        # Chat opens each choice with its role, as OpenAI does; completions send text only.
+        if not (text or done or has_tokens or (first and (self.chat or echo))):
             return None
         logprobs = None
         if has_tokens or echo:
