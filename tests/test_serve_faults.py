@@ -275,3 +275,16 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_the_next():
     assert all(type(item).__name__ == "APIError" and item.status == 500 and "a device fault" in item.message for _, item in failed)
     assert [tag for tag, _ in events] == ["after"] * 3 and events[-1][1].finished
     assert built == 2
+
+
+def test_every_int64_seed_has_a_key_of_its_own():
+    import jax
+    import numpy as np
+
+    from eqrope.serving.server._worker import seed_key
+
+    data = lambda seed: tuple(np.asarray(jax.random.key_data(seed_key(seed))).tolist())
+    seeds = [0, 1, 7, 2**32 - 1, 2**32, 2**32 + 7, 2**40, 2**63 - 1, -1, -(2**63), -(2**32)]
+    assert len({data(s) for s in seeds}) == len(seeds)
+    for seed in (0, 7, 2**31, 2**32 - 1):  # as jax.random.key below 2**32
+        assert data(seed) == tuple(np.asarray(jax.random.key_data(jax.random.key(seed))).tolist())

@@ -115,12 +115,42 @@ async def _generate(server, request: Request, make_job):
     except BaseException:
         server.release(run.samples)
         raise
+    close = _closer(server, run)
     if job.stream:
-        return StreamingResponse(_stream(server, run, answer), media_type="text/event-stream")
+        return _Stream(_stream(run, answer, close), close)
     try:
         return JSONResponse(await _unless_disconnected(request, _whole(run, answer), run))
     finally:
-        server.release(run.samples)
+        close()
+
+
+def _closer(server, run: JobRun):
+    """Once, however the request ends: cancel what still runs, and release its samples."""
+    closed = False
+
+    def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            run.cancel()
+            server.release(run.samples)
+
+    return close
+
+
+class _Stream(StreamingResponse):
+    """Server-sent events that close their run even when the client leaves before the
+    first byte (the body's generator then never starts, so its own `finally` never runs)."""
+
+    def __init__(self, body, close):
+        super().__init__(body, media_type="text/event-stream")
+        self.close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.close()
 
 
 async def _whole(run: JobRun, answer: Answer) -> dict:
@@ -133,7 +163,7 @@ async def _whole(run: JobRun, answer: Answer) -> dict:
         raise
 
 
-async def _stream(server, run: JobRun, answer: Answer):
+async def _stream(run: JobRun, answer: Answer, close):
     """Server-sent events: a chunk per choice as its text grows, the usage chunk if asked,
     and `data: [DONE]`. An error after the first byte is sent as an error event."""
     opened, closed = set(), set()
@@ -163,8 +193,7 @@ async def _stream(server, run: JobRun, answer: Answer):
         _log.exception("a streamed request failed")
         yield _event(APIError(500, f"{type(e).__name__}: {e}", type="server_error").body())
     finally:
-        run.cancel()
-        server.release(run.samples)
+        close()
     yield "data: [DONE]\n\n"
 
 

@@ -117,7 +117,7 @@ def _job(body, chat, prompts, texts, max_name, logprobs, echo, limits, defaults,
         chat=chat, model=f.string(body, "model", ""), prompts=tuple(tuple(p) for p in prompts),
         texts=texts if len(texts) == len(prompts) else (None,) * len(prompts),
         max_tokens=tuple(max_tokens), n=n, settings=_settings(body, defaults, tokenizer, limits, min(max_tokens)),
-        stop=f.strings(body, "stop"), seed=f.integer(body, "seed", None, low=-(2**63), high=2**64 - 1),
+        stop=f.strings(body, "stop"), seed=f.integer(body, "seed", None, low=-(2**63), high=2**63 - 1),
         logprobs=logprobs, echo=echo, stream=stream, include_usage=f.boolean(options, "include_usage"),
     )  # fmt: skip
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from ._errors import APIError
 
@@ -98,7 +99,12 @@ class Worker:
             except queue.Empty:
                 command = None
             while command is not None:
-                self._handle(command)
+                try:
+                    self._handle(command)
+                except Exception as e:  # noqa: BLE001 (the thread must outlive any request)
+                    _log.exception("the engine's thread failed on a %s command", command[0])
+                    if command[0] == "submit":
+                        command[1].post(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
                 try:
                     command = self.inbox.get_nowait()
                 except queue.Empty:
@@ -129,7 +135,7 @@ class Worker:
 
     def _submit(self, ticket: Ticket) -> None:
         try:
-            key = jax.random.key(ticket.seed)
+            key = seed_key(ticket.seed)
             ticket.request_id = self.engine.submit(ticket.prompt, ticket.config, key=key)
         except (ValueError, TypeError) as e:
             ticket.post(APIError(400, str(e), param=None))
@@ -163,7 +169,20 @@ class Worker:
                 if ticket.ended == ticket.samples:
                     del self.tickets[event.request_id]
         if self.on_step is not None:
-            self.on_step(self.engine.stats, events, time.perf_counter())
+            try:
+                self.on_step(self.engine.stats, events, time.perf_counter())
+            except Exception:  # noqa: BLE001 (metrics must not stop the engine)
+                _log.exception("recording the step's metrics failed")
+
+
+def seed_key(seed: int):
+    """The key of an OpenAI `seed` (any int64): `jax.random.key(seed)` for seeds in
+    `[0, 2**32)`, and beyond, the seed's high 32 bits folded into the key of its low
+    ones, so that no two seeds share a key (JAX's 32-bit mode drops the high bits:
+    `jax.random.key(2**32)` is `jax.random.key(0)` there)."""
+    bits = seed % 2**64
+    key = jax.random.key(np.uint32(bits & 0xFFFFFFFF))
+    return key if bits < 2**32 else jax.random.fold_in(key, np.uint32(bits >> 32))
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
