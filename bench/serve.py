@@ -55,7 +55,7 @@ MODES = {
     "default": dict(shape=eqrope_config(SMOLLM2_135M, max_len=1024), requests=64, slots=8,
                     peer_requests=32, peer_slots=32, prompt=32, median=64, sigma=0.8, low=16,
                     high=512, check=8, first_repeats=5, max_len=1024,
-                    first_rounds=20, rates=(0.25, 0.5, 1.0), poisson_requests=24, fuzz=500),
+                    first_rounds=40, rates=(0.25, 0.5, 1.0), poisson_requests=24, fuzz=500),
     "tiny": dict(shape=dict(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, n_blocks=2, d_ff=96,
                             max_len=256, tie_embeddings=True, head_bias=False),
                  requests=10, slots=4, peer_requests=6, peer_slots=4, prompt=12, median=12,
