@@ -339,3 +339,31 @@ def report(result: dict, verdict) -> str:
         shown = f"{t['measured']:.3g}" if isinstance(t["measured"], float) else str(t["measured"])
         lines.append(f"  {t['name']:<64} {t['target']:>10} {shown:>8}  {verdict(t['met'])}")
     return "\n".join(lines)
+
+
+def docs_table(result: dict) -> str:
+    """The table docs/serving.md shows of a run (tests/test_serve_docs.py checks that the
+    page shows the committed run's)."""
+    c, f, b, z = result["closed"], result["first_token"], result["burst"], result["fuzz"]
+    slots = result["server_settings"]["slots"]
+    rows = [
+        "| | measured | target |",
+        "|---|---|---|",
+        f"| useful tokens/s, {c['requests']} requests at once, {slots} slots: over HTTP / in process | "
+        f"{c['http']['output_throughput']:.1f} / {c['engine']['tokens_per_s']:.1f} = {c['ratio']:.2f}x | >= 0.9x |",
+        f"| first token on an idle server (32-token prompt): HTTP, in process, paired difference | "
+        f"{f['http']['median_s'] * 1e3:.1f} ms, {f['engine']['median_s'] * 1e3:.1f} ms, "
+        f"+{f['difference_ms']:.1f} ms | <= +5 ms |",
+        f"| a burst of {b['requests']} ({10}x the slots): whole answers, 503s, other | "
+        f"{b['answered_whole']}, {b['refused_503_with_retry_after']}, {b['other']}; no page held after: "
+        f"{b['kv_cache_usage_after'] == 0} | none lost |",
+        f"| fuzzed bodies: 5xx answers | {z['server_errors']} of {z['bodies']} | 0 |",
+        f"| streamed tokens equal the engine's (greedy) | {result['exactness']['http_equals_engine']} of "
+        f"{result['exactness']['checked']} | all |",
+    ]
+    rows += ["", "| Poisson arrivals (req/s) | req/s done | tokens/s | TTFT median / p99 (ms) | TPOT median (ms) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for p in result["poisson"]:
+        rows.append(f"| {p['request_rate']} | {p['request_throughput']:.2f} | {p['output_throughput']:.1f} | "
+                    f"{p['median_ttft_ms']:.0f} / {p['p99_ttft_ms']:.0f} | {p['median_tpot_ms']:.1f} |")  # fmt: skip
+    return "\n".join(rows)

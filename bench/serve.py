@@ -260,6 +260,15 @@ def main(argv=None):
 def http_main(args, mode: str, cfg: dict, result: dict) -> None:
     """`--http`: the engine behind `python -m eqrope.serve` against itself in process."""
     log(f"[{mode}] the engine over HTTP")
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    result["machine"]["server_stack"] = {n: installed(n) for n in ("starlette", "uvicorn", "uvloop", "httptools", "httpx")}
     with tempfile.TemporaryDirectory() as work:
         result |= _http.run(cfg, mode, workload, engine_run, Path(work), log)
     result["targets"] = _http.targets(result, target)
