@@ -6,6 +6,8 @@ at trace time with a message that says the fix; value-dependent errors on traced
 """
 
 import math
+import os
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -56,6 +58,23 @@ def check_float(value, name: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
     return float(value)
+
+
+def check_path(value, name: str) -> Path:
+    """A path (a `str` or `os.PathLike`), with `~` expanded and made absolute now, as a
+    resolved `Path`: `"~/x"` is `$HOME/x`, not a folder named `~`, and a relative path
+    means the working directory of the call, whatever `os.chdir` does later. Anything
+    else (`5`, `None`, bytes, `""`) raises, naming `name`.
+    """
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(
+            f"{name} must be a path (a str or os.PathLike such as pathlib.Path), got "
+            f"{value!r} ({type(value).__name__})."
+        )
+    if not text:
+        raise ValueError(f"{name} is an empty string; pass a path ('.' for this directory).")
+    return Path(text).expanduser().resolve()
 
 
 def check_bool(value, name: str) -> bool:

@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
+
+from ._checks import check_float, check_path
 
 
 def default_directory() -> Path:
@@ -21,7 +24,9 @@ def default_directory() -> Path:
 
 
 def use_compilation_cache(
-    directory: str | os.PathLike | None = None, *, min_compile_time_s: float = 0.0
+    directory: str | os.PathLike | None = None,
+    *,
+    min_compile_time_s: float | int | np.floating | np.integer = 0.0,
 ) -> Path:
     """Keep every program JAX compiles from now on (eqrope's and any other) in `directory`,
     and read it back instead of compiling in later processes.
@@ -33,29 +38,35 @@ def use_compilation_cache(
 
     **Arguments:**
 
-    - `directory`: where the compiled programs go; created if missing. `None` means
-      `$XDG_CACHE_HOME/eqrope/jax` (`~/.cache/eqrope/jax`).
-    - `min_compile_time_s`: programs that compile faster than this are not written.
+    - `directory`: where the compiled programs go (a `str` or `os.PathLike`); created if
+      missing. `~` is expanded and a relative path is resolved now, against the working
+      directory of this call. `None` means `$XDG_CACHE_HOME/eqrope/jax`
+      (`~/.cache/eqrope/jax`).
+    - `min_compile_time_s`: programs that compile faster than this are not written (a
+      Python or NumPy number of seconds).
 
-    **Returns:** the directory, as a `Path`.
+    **Returns:** the directory JAX writes to, as an absolute, resolved `Path`.
 
     Programs already compiled in this process are not written; later ones are. To turn
     the cache off again, `jax.config.update("jax_compilation_cache_dir", None)`.
     """
-    if isinstance(min_compile_time_s, bool) or not isinstance(min_compile_time_s, (int, float)):
-        raise TypeError(
-            f"min_compile_time_s must be a number of seconds, got {min_compile_time_s!r}."
-        )
+    who = "use_compilation_cache"
+    min_compile_time_s = check_float(min_compile_time_s, f"{who}: min_compile_time_s")
     if not min_compile_time_s >= 0:
-        raise ValueError(f"min_compile_time_s must be >= 0 seconds, got {min_compile_time_s!r}.")
-    path = default_directory() if directory is None else Path(directory)
+        raise ValueError(
+            f"{who}: min_compile_time_s must be >= 0 seconds, got {min_compile_time_s!r}."
+        )
+    path = check_path(
+        default_directory() if directory is None else directory,
+        f"{who}: directory",
+    )
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(
-            f"use_compilation_cache: {path} is a file; pass a directory for the cache."
+            f"{who}: {path} is a file; pass a directory for the cache."
         )
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
     # JAX reads the directory once, at its first compile; start again so that the setting
     # holds after programs have compiled (in a notebook, say).
     compilation_cache.reset_cache()

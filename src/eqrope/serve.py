@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         ) from e
     import jax.numpy as jnp
 
+    from ._checks import check_path
     from .text import Tokenizer
     from .weights import from_hf
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     # lets a first token leave soon after its step (measured: 1-2 ms of first-token time).
     sys.setswitchinterval(0.0005)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    folder = Path(args.checkpoint)
+    folder = check_path(args.checkpoint, "CHECKPOINT_DIR")
     if not folder.is_dir():
         raise SystemExit(f"python -m eqrope.serve: {folder} is not a directory; pass a checkpoint's folder.")
     dtype = None if args.dtype == "auto" else getattr(jnp, args.dtype)

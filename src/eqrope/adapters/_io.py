@@ -26,6 +26,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from .._checks import check_path
 from .._json import read_json
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder
@@ -131,7 +132,7 @@ def save_adapter(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     **Returns:** the directory, as a `Path`.
     """
     settings = adapter_settings(model, "eqrope.save_adapter")
-    path = Path(path)
+    path = check_path(path, "eqrope.save_adapter: path")
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"eqrope.save_adapter: {path} is a file; pass a directory.")
     record = {
@@ -163,7 +164,7 @@ def load_adapter(model: RotaryDecoder, path: str | os.PathLike) -> RotaryDecoder
     record or one of its keys, named with the file) or arrays that do not fit.
     """
     check_base(model, "eqrope.load_adapter")
-    path = Path(path)
+    path = check_path(path, "eqrope.load_adapter: path")
     config_file, arrays_file = path / CONFIG_FILE, path / ARRAYS_FILE
     for f in (config_file, arrays_file):
         if not f.is_file():

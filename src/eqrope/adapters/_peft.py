@@ -22,7 +22,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from .._checks import check_bool, check_float, check_int
+from .._checks import check_bool, check_float, check_int, check_path
 from .._json import checked, read_json
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder
@@ -85,7 +85,7 @@ def to_peft(model: RotaryDecoder, path: str | os.PathLike, *, base_model_name_or
     **Returns:** the directory, as a `Path`.
     """
     settings = adapter_settings(model, "eqrope.to_peft")
-    config, path = model.config, Path(path)
+    config, path = model.config, check_path(path, "eqrope.to_peft: path")
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"eqrope.to_peft: {path} is a file; pass a directory.")
     arrays = {n: np.asarray(a) for n, a in adapter_arrays(model).items()}
@@ -142,7 +142,7 @@ def from_peft(model: RotaryDecoder, path: str | os.PathLike) -> RotaryDecoder:
     and a missing, unexpected or misshapen tensor.
     """
     check_base(model, "eqrope.from_peft")
-    path = Path(path)
+    path = check_path(path, "eqrope.from_peft: path")
     config_file, arrays_file = path / CONFIG_FILE, path / ARRAYS_FILE
     if not config_file.is_file():
         raise FileNotFoundError(f"eqrope.from_peft: {config_file} is missing; pass a PEFT adapter directory.")

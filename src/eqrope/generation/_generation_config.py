@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jaxtyping import ArrayLike
 
+from .._checks import check_path
 from .._json import read_json
 from ._hf_generation_config import hf_generation_fields
 from ._settings import _CHECKS
@@ -100,7 +101,7 @@ class GenerationConfig:
         other than one that changes nothing (transformers' default, null, `[]`):
         `num_assistant_tokens` other than 20 says to pass `draft_len` to `generate`.
         """
-        file = Path(path)
+        file = check_path(path, "GenerationConfig.from_pretrained: path")
         if file.is_dir():
             file = file / "generation_config.json"
         if not file.is_file():

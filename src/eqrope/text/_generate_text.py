@@ -9,7 +9,7 @@ from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
 from ..generation._hf_generation_config import refuse_hf_keywords
 from ..generation._stream import TextStream, print_piece
-from ._tokenizer import Tokenizer
+from ._tokenizer import Tokenizer, _a
 
 
 # Arguments of `generate` that `generate_text` sets itself.
@@ -183,12 +183,13 @@ def _prompts(prompt) -> str | list:
             "add_generation_prompt=True, tokenize=False), then generate_text(model, tokenizer, "
             "text, ...)."
         )
-    bad = next((m for m in items if not isinstance(m, str)), None)
-    if bad is not None:
-        held = "" if bad is prompt else f" holding a {type(bad).__name__}"
+    bad = next((i for i, m in enumerate(items) if not isinstance(m, str)), None)
+    if bad is not None:  # `None` itself is named: it is neither text nor token ids
+        item = items[bad]
+        got = _a(item) if item is prompt else f"{_a(prompt)} holding {_a(item)} at prompt[{bad}]"
+        hint = "" if item is None else "; for token ids use eqrope.generate"
         raise TypeError(
-            f"generate_text: prompt must be a string or a list of strings, got a "
-            f"{type(prompt).__name__}{held}; for token ids use eqrope.generate."
+            f"generate_text: prompt must be a string or a list of strings, got {got}{hint}."
         )
     return items
 

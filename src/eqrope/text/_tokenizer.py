@@ -9,7 +9,7 @@ the `raise_exception` and `strftime_now` helpers, and the named special tokens
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -22,7 +22,7 @@ import numpy as np
 import tokenizers
 from jaxtyping import Int32
 
-from .._checks import check_bool
+from .._checks import check_bool, check_path
 from .._json import checked, read_json
 from ..generation._hf_generation_config import eos_ids_of
 
@@ -112,14 +112,14 @@ class Tokenizer:
         not a bool; an `eos_token_id` in generation_config.json that is not a token id or
         a list of them (`"</s>"`, `true`, `-1`).
         """
-        path = Path(path)
+        given, path = path, check_path(path, f"{_WHO}: path")
         folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
         file = folder / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(
-                f"{_WHO}: {file} not found: {str(path)!r} is not a local file or directory. "
+                f"{_WHO}: {file} not found: {str(given)!r} is not a local file or directory. "
                 "eqrope does not download checkpoints: download a hub model first, e.g. with "
-                f"huggingface_hub.snapshot_download({str(path)!r}), and pass the local "
+                f"huggingface_hub.snapshot_download({str(given)!r}), and pass the local "
                 "directory it returns."
             )
         if not file.is_file():
@@ -177,6 +177,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text`; `add_special_tokens` applies the checkpoint's
         post-processor (a BOS token, say), as transformers does by default."""
+        _check_text(text, "encode: text")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(
@@ -188,9 +189,14 @@ class Tokenizer:
         text's length, padded on the right with `pad_id` (0 without one), and each text's
         length, ready for `eqrope.generate(model, ids, ..., prompt_lengths=lengths)`.
         """
-        if isinstance(texts, str):
-            raise TypeError("encode_batch takes a list of strings; use encode for one string.")
-        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        if isinstance(texts, str) or not isinstance(texts, Iterable):
+            raise TypeError(
+                f"encode_batch takes a list of strings, got {_a(texts)}; use encode for one string."
+            )
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            _check_text(text, f"encode_batch: texts[{i}]")
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         rows = [e.ids for e in encodings]
         lengths = np.asarray([len(r) for r in rows], np.int32)
         ids = np.full((len(rows), int(lengths.max(initial=0))), self.pad_id or 0, np.int32)
@@ -292,6 +298,17 @@ def _content(token, name: str, where: str) -> str:
             "AddedToken record ({\"content\": \"</s>\", ...}) whose content is a string."
         )
     return content
+
+
+def _a(x) -> str:
+    """`None`, or `x`'s type with its article: "an int", "a list"."""
+    name = type(x).__name__
+    return "None" if x is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _check_text(text, name: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string, got {_a(text)}.")
 
 
 def _read_template(folder: Path, config: dict, where: str) -> str | None:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
+from .._checks import check_path
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
 from ._files import _write_directory, check_writable, swapped_arguments
@@ -75,7 +76,7 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
             f"eqrope.save takes a RotaryDecoder, got {type(model).__name__}; "
             "save other pytrees with eqx.tree_serialise_leaves."
         )
-    path = Path(path)
+    path = check_path(path, "eqrope.save: path")
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(
             f"eqrope.save: {path} is a file; a checkpoint is a directory, pass a directory path."
@@ -121,7 +122,7 @@ def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
     reshaped or retyped array, or arrays saved with another config).
     """
     check_layout(layout, "load: layout")
-    path = Path(path)
+    path = check_path(path, "eqrope.load: path")
     if not path.is_dir():
         hint = (
             f" Pass the directory {path.parent} instead of the file."

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+from .._checks import check_path
 from ._checkpoint import FORMAT as _CHECKPOINT_FORMAT
 from ._checkpoint import check_writable, named_arrays
 from ._files import swapped_arguments
@@ -64,7 +65,7 @@ def to_hf(
             "head bias. Pass drop_head_bias=True to write it without (the logits then differ "
             "by the bias), or train with head_bias=False."
         )
-    path = Path(path)
+    path = check_path(path, "to_hf: path")
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"to_hf: {path} is a file; pass a directory.")
     if (path / INDEX_FILE).exists():

@@ -15,12 +15,13 @@ import jax
 import numpy as np
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
-from .._checks import check_int
+from .._checks import check_int, check_path
 from ..model._config import _DTYPES, DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import ARCHITECTURES, decoder_config
 from .._json import read_json
+from .._log import warn
 from ._stream import Reader, Tensor, read_header, to_device
 from ._table import from_hf as from_hf_arrays, hf_shapes
 
@@ -35,14 +36,15 @@ def from_hf(
     """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
 
     Reads `config.json` and the weights (`model.safetensors`, or the shards listed in
-    `model.safetensors.index.json`) with numpy; torch is never imported. The family comes
-    from `config.json`'s `model_type`: `llama` (Llama 2/3.x, SmolLM, TinyLlama),
-    `mistral`, `qwen2` (Qwen2, Qwen2.5) or `qwen3`; [`eqrope.AttentionOptions`][] says
-    what each adds.
+    `model.safetensors.index.json`) with numpy; torch is never imported. Where both are
+    present (two `save_pretrained` calls into one folder), `model.safetensors` is read,
+    as transformers reads it, with a warning. The family comes from `config.json`'s
+    `model_type`: `llama` (Llama 2/3.x, SmolLM, TinyLlama), `mistral`, `qwen2` (Qwen2,
+    Qwen2.5) or `qwen3`; [`eqrope.AttentionOptions`][] says what each adds.
 
     **Arguments:**
 
-    - `path`: the directory `save_pretrained` wrote (or a hub snapshot).
+    - `path`: the directory `save_pretrained` wrote (or a hub snapshot); `~` is expanded.
     - `dtype`: the model's dtype, one of `"float32"`, `"bfloat16"`, `"float16"`,
       `"float64"` (with `jax_enable_x64`) or the matching NumPy/JAX dtype; `None` keeps
       the checkpoint's (bfloat16 stays bfloat16; norms, softmax and rotary angles compute
@@ -76,7 +78,7 @@ def from_hf(
     it). A `dtype` eqrope models cannot hold (`"int8"`, `"bogus"`) raises a `ValueError`
     naming `dtype` and the choices.
     """
-    path = Path(path)
+    path = check_path(path, "from_hf: path")
     if not path.is_dir():
         raise FileNotFoundError(
             f"from_hf: no directory at {path}; pass the directory that "
@@ -194,19 +196,34 @@ def _is_float(dtype) -> bool:
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint (where it is, no data read), from the sharded index
-    if there is one."""
+    """Every tensor of the checkpoint (where it is, no data read): `model.safetensors` if
+    there is one, else the shards the index lists.
+
+    transformers reads `model.safetensors` first too (`_get_resolved_checkpoint_files`),
+    and two saves into one folder leave both: `save_pretrained(d, max_shard_size=...)`
+    then `save_pretrained(d)` writes `model.safetensors` and deletes the shards, but not
+    the index. A warning names the index that is ignored."""
     index = path / INDEX_FILE
-    if index.is_file():
+    by_file: dict[str, list[str] | None] = {}
+    if (path / SINGLE_FILE).is_file():
+        by_file[SINGLE_FILE] = None
+        if index.is_file():
+            warn(
+                f"from_hf: {path} holds both {SINGLE_FILE} and {INDEX_FILE}; reading "
+                f"{SINGLE_FILE}, as transformers does. Two save_pretrained calls into one "
+                "folder leave both. Delete the stale one: the index if the last save wrote "
+                f"{SINGLE_FILE}, or {SINGLE_FILE} if it wrote shards (they are then read).",
+                UserWarning,
+            )
+    elif index.is_file():
         weight_map = read_json(index, "from_hf").get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"from_hf: {index} has no 'weight_map' object.")
-        by_file: dict[str, list[str]] = {}
+        shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             _check_shard(path, name, shard)
-            by_file.setdefault(shard, []).append(name)
-    elif (path / SINGLE_FILE).is_file():
-        by_file = {SINGLE_FILE: None}
+            shards.setdefault(shard, []).append(name)
+        by_file.update(shards)
     else:
         raise FileNotFoundError(
             f"from_hf: {path} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the "
