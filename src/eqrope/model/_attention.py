@@ -21,7 +21,8 @@ class CausalSelfAttention(eqx.Module):
     `n_kv_heads < n_heads` gives grouped-query attention (`n_kv_heads = 1`: multi-query).
     The query, key and value projections are one fused matrix, so a step is one matmul.
     Scores are scaled by `1/sqrt(head_dim)` (and by the square of YaRN's attention factor,
-    which multiplies the rotation's cosines and sines) and the softmax runs in float32.
+    which multiplies the rotation's cosines and sines). Scores, softmax and the weighted
+    sum of the values run in float32, or in float64 for a float64 model.
 
     The variants of the checkpoint families (see [`eqrope.AttentionOptions`][]): a head
     width other than `d_model / n_heads`, biases on the q/k/v projections only, an
@@ -148,7 +149,7 @@ class CausalSelfAttention(eqx.Module):
         if past is None:  # no cache (training, the full pass): one plain softmax
             out = attend(qg, k, v, causal).astype(v.dtype)
         else:
-            state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+            state = empty_state(self.n_kv_heads, group, seq, self.head_dim, q.dtype)
             state = merge_cache(state, qg, past, positions, window)
             out = finish(merge(state, qg, k, v, causal)).astype(v.dtype)
         out = matmul(out.reshape(seq, self.n_heads * self.head_dim), self.wo)
@@ -183,7 +184,7 @@ class CausalSelfAttention(eqx.Module):
         if past.max_len <= past.chunk:  # a short cache: one pass over all its rows
             out = attend_cache(qg, past, positions, window)
         else:
-            state = empty_state(self.n_kv_heads, group, seq, self.head_dim)
+            state = empty_state(self.n_kv_heads, group, seq, self.head_dim, q.dtype)
             out = finish(merge_cache(state, qg, past, positions, window, inclusive=True))
         out = out.astype(v.dtype).reshape(seq, self.n_heads * self.head_dim)
         out = matmul(out, self.wo)

@@ -1,4 +1,4 @@
-"""Attention arithmetic: a float32 online softmax over the cache, chunk by chunk.
+"""Attention arithmetic: an online softmax over the cache, chunk by chunk.
 
 A decode step at position `pos` needs only the cache rows below `pos`. The cache has a
 static `max_len` rows, so a plain masked softmax reads all of them whatever the position.
@@ -7,6 +7,10 @@ Here the rows are visited in chunks of `past.chunk` rows, and chunks at or beyon
 `max_len`), the work follows the position, and the loop stays reverse-differentiable.
 Partial results are merged with the streaming softmax of Milakov & Gimelshein (2018), as
 in FlashAttention (Dao et al. 2022).
+
+Scores, softmax and the weighted sum of the values compute in `promote_types(dtype,
+float32)` (`acc_dtype`): float32 for bfloat16 and float32 models, float64 for a float64
+model (under `jax_enable_x64`).
 """
 
 import functools
@@ -19,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ._cache import BlockCache
 
 
-# (running max, running sum, running weighted values), all float32.
+# (running max, running sum, running weighted values), all in `acc_dtype`.
 State = tuple[
     Float[Array, "kv_heads group seq"],
     Float[Array, "kv_heads group seq"],
@@ -27,20 +31,27 @@ State = tuple[
 ]
 
 
-def empty_state(kv_heads: int, group: int, seq: int, head_dim: int) -> State:
-    shape = (kv_heads, group, seq)
+def acc_dtype(dtype) -> jnp.dtype:
+    """The dtype attention computes in for inputs of `dtype`: at least float32."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.promote_types(dtype, jnp.float32)
+
+
+def empty_state(kv_heads: int, group: int, seq: int, head_dim: int, dtype=jnp.float32) -> State:
+    """The state of no rows seen, in `acc_dtype(dtype)`."""
+    shape, dtype = (kv_heads, group, seq), acc_dtype(dtype)
     return (
-        jnp.full(shape, -jnp.inf, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
+        jnp.full(shape, -jnp.inf, dtype),
+        jnp.zeros(shape, dtype),
+        jnp.zeros((*shape, head_dim), dtype),
     )
 
 
 def scores(
     q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "kv_heads rows head_dim"]
 ) -> Float[Array, "kv_heads group seq rows"]:
-    """`q . k / sqrt(head_dim)` in float32."""
-    s = jnp.einsum("skgd,ktd->kgst", q, k, preferred_element_type=jnp.float32)
+    """`q . k / sqrt(head_dim)` in `acc_dtype` (float32, or float64 for float64 `q`)."""
+    s = jnp.einsum("skgd,ktd->kgst", q, k, preferred_element_type=acc_dtype(q.dtype))
     return s * (1.0 / q.shape[-1] ** 0.5)
 
 
@@ -60,7 +71,7 @@ def merge(
     p = jnp.exp(s - shift[..., None])
     correction = jnp.exp(m - shift)
     l = l * correction + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=p.dtype)
     return m_new, l, acc * correction[..., None] + pv
 
 
@@ -75,7 +86,7 @@ def attend(
     state. Every query must see at least one row."""
     s = jnp.where(mask, scores(q, k), -jnp.inf)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=p.dtype)
     return jnp.transpose(pv / jnp.sum(p, axis=-1)[..., None], (2, 0, 1, 3))
 
 

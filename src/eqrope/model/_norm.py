@@ -4,14 +4,18 @@ The parameters are Equinox's own layers: `eqx.nn.RMSNorm` (weight only) and, for
 textbook's `norm="layer"` variant, `eqx.nn.LayerNorm` (weight and bias). The computation
 is ours, because theirs squares the input directly: in float32 the mean of squares of a
 vector with entries above ~1e19 overflows to inf and the output becomes exactly zero.
-We also take the mean of squares of `x * 2^-k` (`k` = 96 in float32, 768 in float64), in
-the same pass over `x`, and use it where the plain one overflowed, since
+We also take the mean of squares of `x c`, `c = 2^-k` (`k` = 96 in float32, 768 in
+float64), in the same pass over `x`, and use it where the plain one overflowed, since
 
-    x / sqrt(mean(x^2) + eps) == (x c) / sqrt(mean((x c)^2) + eps c^2),   c = 2^-k,
+    x / sqrt(mean(x^2) + eps) == (x c) / sqrt(mean((x c)^2) + eps c^2),
 
 and multiplying by a power of two is exact. Where the plain mean overflows, the entries
-are large enough that their scaled squares neither underflow nor overflow. The
-statistic is computed in (at least) float32 and the result cast back to the input dtype.
+are large enough that their scaled squares neither underflow nor overflow. The row is
+multiplied by `c` first and then by the inverse root: the single factor `c / rms(x)`
+would be subnormal once `rms(x)` passes `2^126` (float32), and XLA:CPU flushes it to 0.
+LayerNorm centres `x c` too, since the mean of `x` itself overflows once the row's sum
+does. The statistic is computed in (at least) float32 and the result cast back to the
+input dtype.
 
 ??? cite "Zhang & Sennrich (2019), Eq. (4)"
 
@@ -58,20 +62,29 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(x.dtype, jnp.float32)
     y = x.astype(dtype)
-    if isinstance(norm, eqx.nn.LayerNorm):
-        y = y - jnp.mean(y)
     c = jnp.asarray(_SCALE[jnp.dtype(dtype)], dtype)
+    ys = y * c
+    layer = isinstance(norm, eqx.nn.LayerNorm)
+    if layer:
+        # Where the plain mean overflows (the row's sum does), that branch is not taken;
+        # it is zeroed so that its inf gives no NaN gradient. `ys` is centred as scaled.
+        mean = jnp.mean(y)
+        mean_fits = jnp.isfinite(mean)
+        y = jnp.where(mean_fits, y - jnp.where(mean_fits, mean, 0), 0)
+        ys = ys - jnp.mean(ys)
     # `plain` is the usual statistic, bitwise; each is made safe before its rsqrt, so the
     # branch not taken has no infinite gradient either.
-    plain, scaled = jnp.mean(y * y), jnp.mean((y * c) * (y * c))
-    fits = jnp.isfinite(plain)
+    plain, scaled = jnp.mean(y * y), jnp.mean(ys * ys)
+    fits = jnp.isfinite(plain) & mean_fits if layer else jnp.isfinite(plain)
     plain = jnp.where(fits, plain, 1)
     scaled = jnp.where(fits, 1, scaled)
-    # Scalars only: the vector is multiplied once, by `c` or 1 times the inverse root.
-    factor = jnp.where(
-        fits, jax.lax.rsqrt(plain + norm.eps), c * jax.lax.rsqrt(scaled + norm.eps * c * c)
+    # `eps c^2` underflows, and is negligible where the plain statistic overflowed; the
+    # smallest normal number in its place keeps a constant row's `0 * rsqrt` at 0, and is
+    # far below any non-zero scaled statistic (huge entries differ by at least their ulp).
+    eps_scaled = max(norm.eps * _SCALE[jnp.dtype(dtype)] ** 2, float(jnp.finfo(dtype).tiny))
+    y = jnp.where(fits, y, ys) * jnp.where(
+        fits, jax.lax.rsqrt(plain + norm.eps), jax.lax.rsqrt(scaled + eps_scaled)
     )
-    y = y * factor
     if norm.weight is not None:
         y = y * norm.weight.astype(dtype)
     if getattr(norm, "bias", None) is not None:
