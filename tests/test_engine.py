@@ -130,7 +130,12 @@ def test_tokens_do_not_depend_on_slots_order_or_neighbours(engine, model):
                            keys=[jax.random.key(50)] * 2 + keys + [jax.random.key(51)] * 2)[2:-2]
     for i in range(6):
         assert np.array_equal(first[i].tokens, shuffled[order.index(i)].tokens)
-        assert np.array_equal(first[i].logprobs, shuffled[order.index(i)].logprobs)  # bitwise
+        # The decode steps' log-probabilities are bitwise the same. The first token's comes
+        # from the prefill, whose rows are grouped by arrival: on some CPUs (an Intel Xeon
+        # here) XLA's matrix products round a row differently in another group, by an ulp.
+        a, b = first[i].logprobs, shuffled[order.index(i)].logprobs
+        assert np.array_equal(a[1:], b[1:])  # bitwise
+        np.testing.assert_allclose(a[:1], b[:1], rtol=1e-6)
         assert np.array_equal(first[i].tokens, crowded[i].tokens)
         np.testing.assert_array_equal(first[i].tokens, alone(model, ps[i], configs[i], keys[i])[0])
 

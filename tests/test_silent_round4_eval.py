@@ -169,7 +169,7 @@ needs_lm_eval = pytest.mark.skipif(
 )
 if importlib.util.find_spec("lm_eval") is not None:
     import eqrope.eval
-    from test_lm_eval import _records, checkpoint, models, offline, ours  # noqa: F401 (fixtures)
+    from test_lm_eval import _records, checkpoint, models, ours  # noqa: F401 (fixtures; offline is conftest's)
 
 
 @needs_lm_eval
