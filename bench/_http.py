@@ -217,7 +217,7 @@ def first_token_rounds(engine, url: str, prompt, rounds: int) -> dict:
 
 def run(cfg: dict, mode: str, workload, engine_run, work_dir: Path, log) -> dict:
     """Every HTTP part; **returns** the result's dict (without the machine)."""
-    from eqrope.serving.server import Server
+    from eqrope.serving.server._server import Server
 
     model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=__import__("jax").random.key(0))
     folder = write_checkpoint(model, work_dir / "bench-checkpoint")

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from .serving.server import Server, build_app
+        from .serving.server._app import build_app
+        from .serving.server._server import Server
     except ImportError as e:
         raise SystemExit(
             f"python -m eqrope.serve needs the [serve] extra ({e.name} is missing): "
