@@ -72,3 +72,18 @@ def test_the_lm_eval_command_runs(server, offline):
     done = run(local, server, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eqrope_until" in done.stdout and "exact_match" in done.stdout
+
+
+def test_the_page_shows_the_committed_runs_table():
+    """docs/serving.md's server table is bench/_http.py's table of the committed run."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import _http
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    result = json.loads((ROOT / "bench" / "results" / "serve_http_cpu.json").read_text())
+    assert _http.docs_table(result) in SECTION
+    assert f"+{result['first_token']['difference_ms']:.1f}" in SECTION
+    assert result["machine"]["date"][:10] in SECTION
