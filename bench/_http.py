@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
 import numpy as np
 
 import eqrope
@@ -219,7 +220,7 @@ def run(cfg: dict, mode: str, workload, engine_run, work_dir: Path, log) -> dict
     """Every HTTP part; **returns** the result's dict (without the machine)."""
     from eqrope.serving.server._server import Server
 
-    model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=__import__("jax").random.key(0))
+    model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=jax.random.key(0))
     folder = write_checkpoint(model, work_dir / "bench-checkpoint")
     cache = str(eqrope.use_compilation_cache(work_dir / "jax-cache"))
     settings = dict(SERVER_ARGS, max_len=cfg["max_len"], slots=cfg["slots"])

@@ -60,9 +60,9 @@ def defaults_of(folder: Path) -> dict:
     checked = GenerationConfig.from_pretrained(file)
     raw = json.loads(file.read_text())
     out = {ours: getattr(checked, ours) for theirs, ours in _DEFAULTS.items() if raw.get(theirs) is not None}
-    if raw.get("top_k") == 0:
+    if "top_k" in out and out["top_k"] is None:  # `top_k: 0` reads as None: off, the server's -1
         out["top_k"] = -1
-    return {k: (-1 if k == "top_k" and v is None else v) for k, v in out.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

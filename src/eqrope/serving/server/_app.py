@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from . import _fields as f
 from ._errors import APIError, bad_field
-from ._requests import chat_job, completion_job
+from ._requests import chat_job, chat_prompt, completion_job
 from ._responses import Answer
 from ._run import JobRun
 
@@ -50,9 +50,7 @@ def build_app(server) -> Starlette:
         body = await _json(request)
         server.check_model(f.string(body, "model", ""))
         if f.get(body, "messages") is not None:
-            from ._requests import _chat_prompt
-
-            ids = _chat_prompt(body["messages"], server.tokenizer, f.boolean(body, "add_generation_prompt", True))
+            ids = chat_prompt(body["messages"], server.tokenizer, f.boolean(body, "add_generation_prompt", True))
         else:
             prompt = f.get(body, "prompt")
             if not isinstance(prompt, str):

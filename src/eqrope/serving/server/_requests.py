@@ -81,7 +81,7 @@ def chat_job(body, tokenizer, limits: Limits, defaults: dict) -> Job:
     f.only(body, "tools", ([],), "eqrope's server does not call tools.")
     f.only(body, "tool_choice", ("none",), "eqrope's server does not call tools.")
     f.only(body, "parallel_tool_calls", (False, True), "it takes true or false.")
-    prompt = _chat_prompt(f.get(body, "messages"), tokenizer, f.boolean(body, "add_generation_prompt", True))
+    prompt = chat_prompt(f.get(body, "messages"), tokenizer, f.boolean(body, "add_generation_prompt", True))
     top = f.integer(body, "top_logprobs", None, low=0, high=limits.max_logprobs)
     if top is not None and not f.boolean(body, "logprobs"):
         raise bad_field("top_logprobs", "top_logprobs needs logprobs: true.")
@@ -183,7 +183,7 @@ def _prompts(prompt, tokenizer, vocab: int, special: bool) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(messages, tokenizer, add_generation_prompt: bool) -> list[int]:
+def chat_prompt(messages, tokenizer, add_generation_prompt: bool) -> list[int]:
     if tokenizer.chat_template is None:
         raise bad_field("messages", "This model's tokenizer has no chat template; use /v1/completions.")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
