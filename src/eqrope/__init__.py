@@ -10,6 +10,7 @@ from .generation import (
     Generation as Generation,
     GenerationConfig as GenerationConfig,
     PromptLookup as PromptLookup,
+    StopStrings as StopStrings,
     TruncationWarning as TruncationWarning,
     generate as generate,
 )

@@ -5,5 +5,6 @@ Sampling, logits processors, stop sequences and streaming sit beside it; `specul
 
 from ._generate import TruncationWarning as TruncationWarning, generate as generate
 from ._result import Generation as Generation
+from ._stop_strings import StopStrings as StopStrings
 from ._generation_config import GenerationConfig as GenerationConfig
 from .speculative import PromptLookup as PromptLookup

@@ -24,6 +24,7 @@ from ._request_checks import (
 )
 from ._prefill import prefill_piece
 from ._sampling import Sampling
+from ._stop_strings import text_table
 from ._stopping import stop_table
 
 
@@ -187,6 +188,7 @@ def sampling_of(settings: GenerationConfig, vocab: int | None) -> tuple[Sampling
         min_new=np.int32(min(settings.min_new, np.iinfo(np.int32).max)),
         bad=_padded(bad_ids),
         stop=stop_table(stop),
+        stop_text=text_table(settings.stop),
     )
     return sampling, eos_ids
 

@@ -10,6 +10,7 @@ import numpy as np
 from .._checks import as_int_array, check_int, check_key, check_vocab
 from ._generation_config import GenerationConfig
 from ._settings import token_id
+from ._stop_strings import StopStrings
 from .speculative._acceptance import RULES
 from .speculative._prompt_lookup import PromptLookup
 
@@ -100,8 +101,15 @@ def _check_ids(settings: GenerationConfig, vocab: int | None):
             f"min_new={settings.min_new} masks those out of the first new tokens: no token is "
             "left to choose. Allow at least one more id, or pass min_new=0."
         )
-    stop = settings.stop or ()
-    for i, sequence in enumerate(stop):
+    stop = []
+    for i, sequence in enumerate(settings.stop or ()):
+        if isinstance(sequence, StopStrings):
+            if vocab is not None and sequence.vocab_size > vocab:
+                raise ValueError(
+                    f"stop[{i}] is a StopStrings over a tokenizer of {sequence.vocab_size} token "
+                    f"ids, but the model's vocab_size is {vocab}; build it with the model's tokenizer."
+                )
+            continue
         if isinstance(sequence, str):
             raise TypeError(
                 f"stop[{i}] is the string {sequence!r}; generate takes token-id sequences. "
@@ -109,6 +117,7 @@ def _check_ids(settings: GenerationConfig, vocab: int | None):
             )
         for j, v in enumerate(sequence):
             token_id(v, f"stop[{i}][{j}]", vocab)
+        stop.append(sequence)
     return eos_ids, bad_ids, stop
 
 

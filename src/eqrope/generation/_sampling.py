@@ -8,14 +8,15 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, UInt
 
 from ._processors import History, penalize, suppress, truncate
+from ._stop_strings import NO_TEXT_STOPS, TextStops
 
 
 class Sampling(NamedTuple):
     """The sampling and stopping settings of one `generate` call, as arrays.
 
     They are arguments of the compiled program, not constants, so changing any of them
-    never recompiles; only the lengths of `eos` and `bad` and the shape of `stop` are
-    part of the program's shape. [`eqrope.generate`][] builds this record after checking
+    never recompiles; only the lengths of `eos` and `bad` and the shapes of `stop` and
+    `stop_text` are part of the program's shape. [`eqrope.generate`][] builds this record after checking
     its arguments (`eqrope.generation._request`). It is a `NamedTuple` (a pytree), not an
     `eqx.Module`: it is built on every call, and a Module's construction costs tens of
     microseconds, a visible part of a small model's generation.
@@ -31,6 +32,7 @@ class Sampling(NamedTuple):
     - `bad`: ids never produced, `(n_bad,)`, padded with -1.
     - `stop`: stop sequences, `(n_stop, stop_len)`, right-aligned, padded on the left with
       -2 (matches anything), spare rows -1 (see `_stopping.py`).
+    - `stop_text`: stop strings, matched on the text (see `_stop_strings.py`).
     """
 
     temperature: Float[ArrayLike, ""]
@@ -44,6 +46,7 @@ class Sampling(NamedTuple):
     min_new: Int[ArrayLike, ""] = np.int32(0)
     bad: Int[ArrayLike, " n_bad"] = np.full((8,), -1, np.int32)
     stop: Int[ArrayLike, "n_stop stop_len"] = np.full((4, 4), -1, np.int32)
+    stop_text: TextStops = NO_TEXT_STOPS
 
 
 def penalties_on(sampling: Sampling) -> Bool[Array, "*rows"]:

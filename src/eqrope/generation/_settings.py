@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from .._checks import check_int
+from ._stop_strings import StopStrings
 
 
 def real(value, name: str, wanted: str) -> float:
@@ -100,6 +101,8 @@ def _bad(value, name):
 def _stop(value, name):
     if value is None:
         return None
+    if isinstance(value, StopStrings):
+        return (value,)
     if isinstance(value, str) or not _is_sequence(value):
         raise TypeError(
             f"{name} must be a list of token-id sequences, like [[13, 13], [50256]] (or of "
@@ -119,10 +122,15 @@ def _stop(value, name):
             if not entry:
                 raise ValueError(f"{name}[{i}] is an empty string; every stop needs some text.")
             out.append(entry)
+        elif isinstance(entry, StopStrings):
+            out.append(entry)
         elif _is_sequence(entry):
             out.append(_ids(entry, f"{name}[{i}]", "every stop sequence needs at least one token."))
         else:
-            raise TypeError(f"{name}[{i}] must be a sequence of token ids or a string, got {entry!r}.")
+            raise TypeError(
+                f"{name}[{i}] must be a sequence of token ids, a string (generate_text) or an "
+                f"eqrope.StopStrings, got {entry!r}."
+            )
     return tuple(out)
 
 

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._processors import History, record
 from ._sampling import Sampling, penalties_on
+from ._stop_strings import ends_with_text, text_stops_on
 from ._stopping import NONE, ends_with_stop
 from ._stream import emit
 
@@ -75,8 +76,9 @@ def commit(
     """Write each `active` row's token `tok` (with its log-probabilities `lp` and `own`) at
     its `pos`, and advance the row; the other rows are unchanged.
 
-    A row ends after an EOS id or a completed stop sequence, once it has `min_new` new
-    tokens before this one, after `max_new` new tokens, or when the cache is full.
+    A row ends after an EOS id, a completed stop sequence or a stop string, once it has
+    `min_new` new tokens before this one, after `max_new` new tokens, or when the cache is
+    full.
 
     `sampling` holds the settings of every row (`generate`), or of each row, with a
     leading rows axis on every field (the engine's slots); `max_new` likewise.
@@ -96,9 +98,14 @@ def commit(
     is_eos = jnp.any(tok[:, None] == (eos if per_row else eos[None, :]), axis=-1)
     # Settings-level branches (one predicate for every row): a call without stop
     # sequences or penalties skips matching and counting at every step.
+    axis = 0 if per_row else None
     is_stop = jax.lax.cond(
         jnp.any(jnp.asarray(sampling.stop) != NONE),
-        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, 0 if per_row else None))(tokens, pos, sampling.stop),
+        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, axis))(tokens, pos, sampling.stop),
+        lambda: jnp.zeros((batch,), jnp.bool_),
+    ) | jax.lax.cond(
+        jnp.any(text_stops_on(sampling.stop_text)),
+        lambda: jax.vmap(ends_with_text, in_axes=(0, 0, axis))(tokens, pos, sampling.stop_text),
         lambda: jnp.zeros((batch,), jnp.bool_),
     )
     may_end = text.n_new >= sampling.min_new

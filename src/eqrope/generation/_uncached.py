@@ -17,6 +17,7 @@ from ._request import Request
 from ._result import NON_FINITE, Outputs
 from ._processors import History
 from ._sampling import choose_token, row_keys
+from ._stop_strings import host_ends_with_text
 from ._stopping import host_ends_with_stop
 
 
@@ -85,7 +86,12 @@ def generate_uncached(model, request: Request) -> Outputs:
             logprobs[r, pos], model_logprobs[r, pos] = float(lp), float(own)
             if request.stream is not None:
                 request.stream(r, pos, tok)
-            ends = tok in eos or host_ends_with_stop(text + [tok], sampling.stop)
+            written = text + [tok]
+            ends = (
+                tok in eos
+                or host_ends_with_stop(written, sampling.stop)
+                or host_ends_with_text(written, sampling.stop_text)
+            )
             going[r] = pos + 1 < max_len and not (n_new >= min_new and ends)
     for r in range(rows):
         tokens[r, : len(prompts[r])] = prompts[r]

@@ -16,6 +16,7 @@ from .._checks import as_int_array, check_int, check_key
 from ..generation import GenerationConfig
 from ..generation._request import sampling_of
 from ..generation._sampling import Sampling
+from ..generation._stop_strings import NO_TEXT_STOPS_TINY, StopStrings
 from ..generation._stopping import ANY, NONE
 
 
@@ -36,6 +37,12 @@ class Capacities:
 
 def request_sampling(config: GenerationConfig, vocab: int, caps: Capacities) -> Sampling:
     """The checked `Sampling` of one request, its id lists padded to `caps` (NumPy)."""
+    if any(isinstance(s, StopStrings) for s in config.stop or ()):
+        raise ValueError(
+            "stop holds an eqrope.StopStrings; the engine matches token-id stop sequences. "
+            "Match strings on the text as the server does (serving.server's TextStream, then "
+            "Engine.cancel), or pass token-id sequences."
+        )
     sampling, eos_ids = sampling_of(config, vocab)
     bad = [int(i) for i in np.asarray(sampling.bad) if i >= 0]
     stop = [list(s) for s in (config.stop or ())]
@@ -55,6 +62,7 @@ def request_sampling(config: GenerationConfig, vocab: int, caps: Capacities) -> 
         eos=_padded(eos_ids, caps.eos_ids),
         bad=_padded(bad, caps.bad_ids),
         stop=stop_rows(stop, caps.stop, caps.stop_len),
+        stop_text=NO_TEXT_STOPS_TINY,
     )
 
 
@@ -76,7 +84,7 @@ def stop_rows(stop: list[list[int]], rows: int, width: int) -> np.ndarray:
 
 def stack_rows(rows: list[Sampling]) -> Sampling:
     """The slots' settings: each field of `rows` stacked on a leading axis."""
-    return Sampling(*(np.stack([np.asarray(getattr(r, f)) for r in rows]) for f in Sampling._fields))
+    return jax.tree.map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *rows)
 
 
 def idle_sampling(vocab: int, caps: Capacities) -> Sampling:

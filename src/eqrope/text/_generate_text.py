@@ -8,6 +8,7 @@ import numpy as np
 from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
 from ..generation._hf_generation_config import refuse_hf_keywords
+from ..generation._stop_strings import StopStrings
 from ..generation._stream import TextStream, print_piece
 from ._tokenizer import Tokenizer, _a
 
@@ -72,9 +73,11 @@ def generate_text(
     - `settings`: any other keyword of `eqrope.generate` (`temperature`, `top_k`, `top_p`,
       `key`, `max_len`, `config`, `num_samples`, ...), except `eos_id`, `prompt_lengths`,
       `return_logprobs` and `on_token`, which `generate_text` sets. `stop` may hold
-      strings, each encoded without special tokens (so it stops when the model produces
-      that tokenization of the string), beside token-id sequences. A string prompt samples
-      as `generate` does with a 1-D prompt and the same `key`; a list as a batch.
+      strings (or be one) beside token-id sequences: a row ends after the token that
+      completes a string in its text, however the model tokenized it (`"mat"` stops
+      `" m" "at"` and `" mat."` alike), as transformers' `stop_strings` do; the text
+      returned keeps that whole token (see [`eqrope.StopStrings`][]). A string prompt
+      samples as `generate` does with a 1-D prompt and the same `key`; a list as a batch.
 
     **Returns:** the new text of each prompt (a string for a string, a list for a list;
     with `num_samples`, a list of that many texts in place of each text), decoded with
@@ -117,10 +120,11 @@ def generate_text(
     config = settings.get("config") or GenerationConfig()
     eos_ids = _eos_ids(config.eos_id, tokenizer)
     stop = settings.get("stop", config.stop)
-    if stop is not None and isinstance(stop, (list, tuple)):
-        settings["stop"] = [
-            tokenizer.encode(s, add_special_tokens=False) if isinstance(s, str) else s for s in stop
-        ]
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop):
+        strings = [s for s in stop if isinstance(s, str)]
+        settings["stop"] = [s for s in stop if not isinstance(s, str)] + [StopStrings(tokenizer, strings)]
     text_stream = _text_stream(stream, one, settings, config, tokenizer, eos_ids)
     result = generate(
         model, ids, max_new, eos_id=list(eos_ids) or None, prompt_lengths=lengths,

@@ -25,6 +25,7 @@ from jaxtyping import Int32
 from .._checks import check_bool, check_path
 from .._json import checked, read_json
 from ..generation._hf_generation_config import eos_ids_of
+from ._token_bytes import token_bytes
 
 
 # The named special tokens of tokenizer_config.json that chat templates see as variables
@@ -72,6 +73,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.clean_up_spaces = bool(clean_up_spaces)
         self._source: str | None = None  # the folder `from_pretrained` read, for the repr
+        self._token_bytes: list[bytes] | None = None  # `token_bytes()`, read at its first call
 
     def __repr__(self) -> str:
         source = f"{self._source!r}, " if self._source is not None else ""
@@ -211,6 +213,13 @@ class Tokenizer:
             raise ValueError(f"decode takes one sequence of token ids, got shape {ids.shape}.")
         text = self.tokenizer.decode(ids.reshape(-1).tolist(), skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.clean_up_spaces else text
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token id spells (`b""` for special tokens), as stop strings
+        ([`eqrope.StopStrings`][]) match them. Read once, then kept."""
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes(self.tokenizer)
+        return self._token_bytes
 
     def apply_chat_template(
         self, messages, *, add_generation_prompt: bool = False, tokenize: bool = True, **variables
