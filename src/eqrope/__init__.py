@@ -70,7 +70,7 @@ from .sharding import (
     shard_batch as shard_batch,
     shardings as shardings,
 )
-from .text import Tokenizer as Tokenizer, generate_text as generate_text
+from .text import TextGeneration as TextGeneration, Tokenizer as Tokenizer, generate_text as generate_text
 from .training import (
     cross_entropy as cross_entropy,
     init_optimizer as init_optimizer,

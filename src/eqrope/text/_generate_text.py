@@ -1,17 +1,22 @@
 """`eqrope.generate_text`: text in, text out, around `eqrope.generate`."""
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 
+from .._checks import check_bool
 from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
 from ..generation._hf_generation_config import refuse_hf_keywords
 from ..generation._stop_strings import StopStrings
 from ..generation._stream import TextStream, print_piece
+from ._details import TextGeneration, text_generation
 from ._tokenizer import Tokenizer, _a
 
+
+# What a call returns: texts, or with `return_details=True` the same shape of details.
+_Result = str | list[str] | list[list[str]] | TextGeneration | list[TextGeneration] | list[list[TextGeneration]]
 
 # Arguments of `generate` that `generate_text` sets itself.
 _OWN = ("eos_id", "prompt_lengths", "return_logprobs", "on_token")
@@ -21,28 +26,32 @@ _OWN = ("eos_id", "prompt_lengths", "return_logprobs", "on_token")
 @overload
 def generate_text(
     model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
-    stream: bool | Callable[[int, str], object] = ..., num_samples: None = ..., **settings: Any,
+    stream: bool | Callable[[int, str], object] = ..., num_samples: None = ...,
+    return_details: Literal[False] = ..., **settings: Any,
 ) -> str: ...
 @overload
 def generate_text(
     model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
-    stream: bool | Callable[[int, str], object] = ..., num_samples: int, **settings: Any,
+    stream: bool | Callable[[int, str], object] = ..., num_samples: int,
+    return_details: Literal[False] = ..., **settings: Any,
 ) -> list[str]: ...
 @overload
 def generate_text(
     model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
-    *, stream: bool | Callable[[int, str], object] = ..., num_samples: None = ..., **settings: Any,
+    *, stream: bool | Callable[[int, str], object] = ..., num_samples: None = ...,
+    return_details: Literal[False] = ..., **settings: Any,
 ) -> list[str]: ...
 @overload
 def generate_text(
     model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
-    *, stream: bool | Callable[[int, str], object] = ..., num_samples: int, **settings: Any,
+    *, stream: bool | Callable[[int, str], object] = ..., num_samples: int,
+    return_details: Literal[False] = ..., **settings: Any,
 ) -> list[list[str]]: ...
 @overload
 def generate_text(
     model, tokenizer: Tokenizer, prompt: str | Sequence[str], max_new: int | _FromConfig = ...,
-    *, stream: bool | Callable[[int, str], object] = ..., **settings: Any,
-) -> str | list[str] | list[list[str]]: ...
+    *, stream: bool | Callable[[int, str], object] = ..., return_details: bool = ..., **settings: Any,
+) -> _Result: ...
 
 
 def generate_text(
@@ -52,8 +61,9 @@ def generate_text(
     max_new: int | _FromConfig = FROM_CONFIG,
     *,
     stream: bool | Callable[[int, str], object] = False,
+    return_details=False,  # a bool, checked with a message that names it
     **settings,
-) -> str | list[str] | list[list[str]]:
+) -> _Result:
     """Generate up to `max_new` tokens after a text prompt, and return the new text.
 
     **Arguments:**
@@ -79,6 +89,10 @@ def generate_text(
       returned keeps that whole token (see [`eqrope.StopStrings`][]). A string prompt
       samples as `generate` does with a 1-D prompt and the same `key`; a list as a batch.
 
+    - `return_details`: return a [`eqrope.TextGeneration`][] in place of each text: the
+      text with its new token ids, their count and why the row ended (`"eos"`, `"stop"`
+      or `"length"`).
+
     **Returns:** the new text of each prompt (a string for a string, a list for a list;
     with `num_samples`, a list of that many texts in place of each text), decoded with
     `skip_special_tokens=True` and ended before the first EOS id.
@@ -101,6 +115,7 @@ def generate_text(
     if taken:
         raise TypeError(f"generate_text sets {taken} itself; pass the tokenizer's eos_ids instead.")
     refuse_hf_keywords(settings, "generate_text")
+    check_bool(return_details, "generate_text: return_details")
     _check_tokenizer(tokenizer, model)
     prompt = _prompts(prompt)
     one = isinstance(prompt, str)
@@ -142,6 +157,12 @@ def generate_text(
     if text_stream is not None:
         for row, text in enumerate(texts):
             text_stream.finish(row, text)
+    if return_details:
+        stop, min_new = settings.get("stop", config.stop), settings.get("min_new", config.min_new)
+        texts = [
+            text_generation(text, row[:start], row[start:end], eos_ids, stop, int(min_new))
+            for text, row, start, end in zip(texts, tokens, starts, ends)
+        ]
     if samples is not None:
         texts = [texts[i : i + samples] for i in range(0, len(texts), samples)]
     return texts[0] if one else texts
