@@ -56,14 +56,16 @@ def eqrope_messages(caplog) -> list[str]:
 # -- 1. compiles are logged when a program is traced -----------------------------------------
 
 
-def test_first_generate_logs_its_compile_once(caplog):
+def test_first_generate_logs_its_compile_once(caplog, monkeypatch):
+    # As in a fresh process: no generate program compiled before this test's.
+    monkeypatch.setattr("eqrope.generation._compile_lines._SEEN", {})
     fresh = random_model(1, 29, 16, 2, 1, MAX_LEN)  # used by no other test: it compiles here
     caplog.set_level(logging.INFO, logger="eqrope")
     prompt = np.arange(5, dtype=np.int32)
     eqrope.generate(fresh, prompt, 7)
     assert eqrope_messages(caplog) == [
-        "compiling generate: batch 1, cache length 16 (a new batch, cache length or "
-        "num_samples compiles once; later calls reuse it)"
+        "compiling generate: batch 1, cache length 16 (a new batch, cache length, "
+        "num_samples or static setting compiles once; later calls reuse it)"
     ]
     assert caplog.records[-1].name == "eqrope.generation"
     caplog.clear()
@@ -72,8 +74,8 @@ def test_first_generate_logs_its_compile_once(caplog):
     assert eqrope_messages(caplog) == []
     eqrope.generate(fresh, prompt, 20)  # 25 positions: a new cache length, 32
     assert eqrope_messages(caplog) == [
-        "compiling generate: batch 1, cache length 32 (a new batch, cache length or "
-        "num_samples compiles once; later calls reuse it)"
+        "compiling generate: batch 1, cache length 32; new: cache length 16 -> 32 (a new "
+        "combination of these compiles once; later calls reuse it)"
     ]
 
 

@@ -43,16 +43,6 @@ def shapes_of(*arrays) -> str:
     return ", ".join(f"{x.dtype}[{','.join(map(str, x.shape))}]" for x in leaves) or "no arrays"
 
 
-def compiling_generate(program: str, buffer, *, samples=None, draft_len=None, **_) -> None:
-    """`compiling` for a generate program, from its `(batch, cache length)` text buffer
-    and its static settings (those that make a new program besides the shapes)."""
-    batch, length = buffer.shape
-    shapes = f"batch {batch}, cache length {length}"
-    shapes += f", {samples} samples per prompt" if samples is not None else ""
-    shapes += f", draft_len {draft_len}" if draft_len is not None else ""
-    compiling("generation", program, shapes, "batch, cache length or num_samples")
-
-
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # The runtime type checks of the tests wrap every function of eqrope in these.
 _WRAPPERS = (os.path.dirname(jaxtyping.__file__), "<@beartype")

@@ -22,17 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from .._log import compiling_generate
 from ..model import KVCache
 from ..sharding._rules import constrain, shard_batch
 from ._arrays import for_decoding, rebuild, split_model
+from ._compile_lines import compiling_generate
 from ._prefill import prepare
 from ._request import Request
 from ._result import NON_FINITE, Outputs, to_host
 from ._rows import over_rows
 from ._sampling import Sampling, choose_token, row_keys
 from ._state import TextState, check_logits, commit, start_text
-from ._stream import streamed
+from ._stream import can_stream, streamed
 
 
 class DecodeState(eqx.Module):
@@ -58,7 +58,7 @@ def run_cached(model, request: Request) -> Outputs:
         return generate_cached(
             model, buffer, lengths, np.asarray(request.max_new, np.int32), request.sampling,
             request.key, stream_id, batched=request.batched, chunk=request.chunk,
-            samples=request.samples, stream=stream_id is not None,
+            samples=request.samples, stream=can_stream(request),
             differentiable=request.differentiable, check_finite=request.check_finite,
             mesh=request.mesh, rules=request.rules,
         )  # fmt: skip
@@ -87,7 +87,7 @@ def generate_cached(model, *args, **static):
     ),
 )
 def generate_program(arrays, *args, structure, **static):
-    compiling_generate("generate", args[0], **static)  # once per trace, that is per compile
+    compiling_generate("generate", arrays, structure, args, static)  # once per trace, that is per compile
     return decode_program(rebuild(arrays, structure), *args, **static)
 
 

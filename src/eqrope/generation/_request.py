@@ -180,7 +180,7 @@ def sampling_of(settings: GenerationConfig, vocab: int | None) -> tuple[Sampling
         temperature=np.float32(settings.temperature),
         top_k=np.int32(top_k),
         top_p=np.float32(1.0 if settings.top_p is None else settings.top_p),
-        eos=np.asarray(eos_ids or [-1], np.int32),
+        eos=_padded(eos_ids),
         min_p=np.float32(settings.min_p or 0.0),
         repetition_penalty=np.float32(settings.repetition_penalty),
         presence_penalty=np.float32(settings.presence_penalty),

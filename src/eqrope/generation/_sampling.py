@@ -15,8 +15,8 @@ class Sampling(NamedTuple):
     """The sampling and stopping settings of one `generate` call, as arrays.
 
     They are arguments of the compiled program, not constants, so changing any of them
-    never recompiles; only the lengths of `eos` and `bad` and the shapes of `stop` and
-    `stop_text` are part of the program's shape. [`eqrope.generate`][] builds this record after checking
+    never recompiles; only the size buckets of `eos` and `bad` and the shapes of `stop`
+    and `stop_text` are part of the program's shape. [`eqrope.generate`][] builds this record after checking
     its arguments (`eqrope.generation._request`). It is a `NamedTuple` (a pytree), not an
     `eqx.Module`: it is built on every call, and a Module's construction costs tens of
     microseconds, a visible part of a small model's generation.
@@ -24,7 +24,7 @@ class Sampling(NamedTuple):
     - `temperature`: 0 is greedy.
     - `top_k`: keep the logits `>=` the k-th largest (`top_k >= vocab` keeps everything).
     - `top_p`: nucleus mass (1 keeps everything).
-    - `eos`: the end-of-sequence ids, `(n_eos,)`; `[-1]` for none.
+    - `eos`: the end-of-sequence ids, `(n_eos,)`, padded with -1 as `bad` is.
     - `min_p`: the min-p fraction (0 keeps everything).
     - `repetition_penalty`, `presence_penalty`, `frequency_penalty`: 1, 0, 0 for none.
     - `min_new`: EOS ids are masked, and stop sequences ignored, until a row has this

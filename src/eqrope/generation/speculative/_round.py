@@ -27,16 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, Key
 
-from ..._log import compiling_generate
 from ...model import KVCache
 from .._arrays import for_decoding, rebuild, split_model
+from .._compile_lines import compiling_generate
 from .._prefill import prepare
 from .._request import Request
 from .._result import NON_FINITE, Outputs, to_host
 from .._rows import over_rows
 from .._sampling import Sampling, model_logprob, process_logits, row_keys
 from .._state import TextState, check_logits, commit, start_text
-from .._stream import streamed
+from .._stream import can_stream, streamed
 from ._acceptance import judge
 from ._drafting import model_drafts
 from ._prompt_lookup import PromptLookup, lookup_drafts
@@ -69,7 +69,7 @@ def speculate_cached(model, draft, *args, **static):
     static_argnames=("structure", "batched", "chunk", "samples", "stream", "check_finite", "draft_len", "rule"),
 )
 def speculative_program(arrays, *args, structure, **static):
-    compiling_generate("generate with a draft", args[0], **static)  # once per compile
+    compiling_generate("generate with a draft", arrays, structure, args, static)  # once per compile
     model, draft = rebuild(arrays, structure)
     return speculative_decode(model, draft, *args, **static)
 
@@ -207,7 +207,7 @@ def run_speculative(model, request: Request) -> Outputs:
             model, request.draft, request.buffer(), request.lengths,
             np.asarray(request.max_new, np.int32), request.sampling, request.key, stream_id,
             batched=request.batched, chunk=request.chunk, samples=request.samples,
-            stream=stream_id is not None, check_finite=request.check_finite,
+            stream=can_stream(request), check_finite=request.check_finite,
             draft_len=request.draft_len, rule=request.accept,
         )  # fmt: skip
 
