@@ -22,7 +22,7 @@ import numpy as np
 import tokenizers
 from jaxtyping import Int32
 
-from .._checks import check_bool, check_path
+from .._checks import check_bool, check_path, not_local
 from .._json import checked, read_json
 from ..generation._hf_generation_config import eos_ids_of
 
@@ -116,12 +116,7 @@ class Tokenizer:
         folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
         file = folder / "tokenizer.json"
         if not path.exists():
-            raise FileNotFoundError(
-                f"{_WHO}: {file} not found: {str(given)!r} is not a local file or directory. "
-                "eqrope does not download checkpoints: download a hub model first, e.g. with "
-                f"huggingface_hub.snapshot_download({str(given)!r}), and pass the local "
-                "directory it returns."
-            )
+            raise FileNotFoundError(f"{_WHO}: {file} not found: {not_local(given)}")
         if not file.is_file():
             raise FileNotFoundError(
                 f"{_WHO}: {file} not found. Pass a Hugging Face checkpoint directory that holds "
