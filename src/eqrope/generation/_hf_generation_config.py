@@ -79,11 +79,27 @@ _KEYWORDS = {
 }  # fmt: skip
 
 
+# Keywords of other sampling APIs (vLLM's `SamplingParams`, OpenAI's) that eqrope spells
+# differently: what to pass instead, `{value}` the int passed (else the keyword's name).
+_OTHER_KEYWORDS = {
+    "seed": "eqrope samples with a PRNG key, not a seed: pass key=jax.random.key({value}) to "
+    "the call that samples (a new key gives new samples)",
+}
+
+
 def refuse_hf_keywords(given, who: str, *, unknown: bool = False) -> None:
     """Raise a `TypeError` for a keyword of transformers' `generate` among the names
-    `given`, saying what eqrope takes instead; with `unknown=True`, for any name (those
-    of a function's `**unknown`), as Python would."""
+    `given` (a dict of keywords, or their names), saying what eqrope takes instead, and
+    for one of other APIs (`seed`); with `unknown=True`, for any name (those of a
+    function's `**unknown`), as Python would."""
     for name in given:
+        if name in _OTHER_KEYWORDS:
+            value = given[name] if isinstance(given, dict) else None
+            shown = value if isinstance(value, int) and not isinstance(value, bool) else name
+            raise TypeError(
+                f"{who}() got {name}={'' if value is None else repr(value)}: "
+                f"{_OTHER_KEYWORDS[name].format(value=shown)}."
+            )
         if name in _KEYWORDS:
             raise TypeError(
                 f"{who}() got {name}=, a keyword of transformers' generate: {_KEYWORDS[name]}. "
