@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import final
+from typing import NoReturn, final
 
 import jinja2
 import jinja2.ext
@@ -79,6 +79,15 @@ class Tokenizer:
         return (
             f"Tokenizer({source}vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, "
             f"pad_id={self.pad_id}, chat_template={template})"
+        )
+
+    def __call__(self, *args, **kwargs) -> NoReturn:
+        """Not callable, unlike transformers' tokenizers: a `TypeError` that names the
+        methods (`encode` for one text, `encode_batch` for several)."""
+        raise TypeError(
+            "an eqrope.Tokenizer is not callable (unlike transformers' tokenizers): use "
+            "tokenizer.encode(text) for one text's token ids, or tokenizer.encode_batch(texts) "
+            "for a right-padded (ids, lengths) batch, and tokenizer.decode(ids) back."
         )
 
     @classmethod
