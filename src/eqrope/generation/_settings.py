@@ -143,6 +143,7 @@ def _int(minimum: int, none: bool):
 
 _CHECKS = {
     "max_new": _int(0, none=True),
+    "max_total": _int(1, none=True),
     "temperature": _temperature,
     "top_k": _int(1, none=True),
     "top_p": _fraction(True, "the nucleus mass; None or 1 keeps everything"),
