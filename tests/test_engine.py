@@ -221,6 +221,19 @@ def test_cancelling_one_sample_leaves_the_others_running(model):
     assert engine.stats.pages_used == 0
 
 
+def test_max_total_counts_each_prompt(engine, model):
+    """transformers' max_length (a `generation_config.json` without max_new_tokens): the
+    prompt and the new tokens together, per request."""
+    short, long = prompts(2, seed=14, low=4, high=12)  # 5 and 10 tokens
+    out = engine.generate([short, long], Config(max_total=16))
+    for prompt, completion in zip((short, long), out):
+        want, _ = alone(model, prompt, Config(max_new=16 - len(prompt)))
+        np.testing.assert_array_equal(completion.tokens, want)
+        assert len(prompt) + len(completion.tokens) == 16
+    with pytest.raises(ValueError, match=f"max_total={len(short)} .*leaves no new token"):
+        engine.submit(short, Config(max_total=len(short)))
+
+
 def test_bad_input_is_refused_by_name(model):
     small = dict(ENGINE, pages=9)  # never stepped: nothing compiles for its pool
     engine = eqrope.Engine(model, slots=2, max_waiting=2, decode_buckets=(2,), **small)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 import eqrope
 from _models import random_model
+from test_hf import _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
 
 
 VOCAB = 19
@@ -138,3 +140,97 @@ def test_transformers_files_read_back(tmp_path):
         max_new=12, temperature=0.7, top_k=20, top_p=0.8, min_p=0.1, repetition_penalty=1.2,
         eos_id=(1, 2), bad_ids=(5, 6), num_samples=2,
     )  # fmt: skip
+
+
+# -- lengths: max_new_tokens, max_length and transformers' default 20 (issue 44, item 5) ------
+
+# A generation_config.json's length fields, and what transformers' `generate` makes of them
+# (`_prepare_generated_length`): max_new_tokens wins; else max_length counts the prompt;
+# else 20 new tokens.
+LENGTH_FILES = {
+    "neither": ({}, (20, None)),
+    "null": ({"max_length": None, "max_new_tokens": None}, (20, None)),
+    "max_length": ({"max_length": 12}, (None, 12)),
+    "max_length 20": ({"max_length": 20}, (None, 20)),  # given, not the default: a total
+    "both": ({"max_length": 12, "max_new_tokens": 3}, (3, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LENGTH_FILES))
+def test_from_pretrained_reads_the_lengths_as_transformers(tmp_path, name):
+    fields, (max_new, max_total) = LENGTH_FILES[name]
+    config = eqrope.GenerationConfig.from_pretrained(write(tmp_path, fields))
+    assert (config.max_new, config.max_total) == (max_new, max_total)
+
+
+def test_max_total_counts_the_prompt(model):
+    # Four prompt tokens and max_total=10: six new, as max_new=6.
+    np.testing.assert_array_equal(
+        eqrope.generate(model, PROMPT, config=eqrope.GenerationConfig(max_total=10)),
+        eqrope.generate(model, PROMPT, 6),
+    )
+    # A ragged batch counts its longest prompt, as transformers counts the padded width.
+    batch = np.array([[4, 8, 15, 16, 3], [4, 8, 0, 0, 0]], np.int32)
+    np.testing.assert_array_equal(
+        eqrope.generate(model, batch, max_total=9, prompt_lengths=[5, 2]),
+        eqrope.generate(model, batch, 4, prompt_lengths=[5, 2]),
+    )
+    with pytest.raises(ValueError, match=r"max_total=4 \(transformers' max_length.*prompt of 4 tokens"):
+        eqrope.generate(model, PROMPT, max_total=4)
+
+
+def test_max_new_and_max_total_are_one_setting(model):
+    with pytest.raises(ValueError, match="max_new=2 and max_total=9 are both set; pass one"):
+        eqrope.GenerationConfig(max_new=2, max_total=9)
+    with pytest.raises(ValueError, match="both set"):
+        eqrope.generate(model, PROMPT, 2, max_total=9)
+    # The one passed to the call replaces the config's other, either way round.
+    by_total, by_new = eqrope.GenerationConfig(max_total=12), eqrope.GenerationConfig(max_new=8)
+    assert eqrope.generate(model, PROMPT, 3, config=by_total).shape == (7,)
+    assert eqrope.generate(model, PROMPT, config=by_new, max_total=6).shape == (6,)
+
+
+def test_generate_text_runs_with_a_file_without_max_new_tokens(model, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<unk>", "</s>", "the", "cat", "sat", "on", "a", "mat"]
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = eqrope.Tokenizer(raw)
+    default = eqrope.GenerationConfig.from_pretrained(write(tmp_path, {"transformers_version": "4.45.0"}))
+    assert eqrope.generate_text(model, tokenizer, "the cat", config=default) == (
+        eqrope.generate_text(model, tokenizer, "the cat", 20)
+    )
+    total = eqrope.GenerationConfig.from_pretrained(write(tmp_path, {"max_length": 7}))
+    assert eqrope.generate_text(model, tokenizer, "the cat", config=total) == (
+        eqrope.generate_text(model, tokenizer, "the cat", 5)
+    )
+
+
+@pytest.mark.hf
+def test_lengths_match_transformers_generate(tmp_path, hf_lib):
+    """transformers' own `generate`, reading each file, against eqrope's, reading it with
+    `GenerationConfig.from_pretrained`: the same tokens, or both refusing the prompt."""
+    _, torch = hf_lib
+    sizes = dict(vocab_size=23, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    theirs = _hf_random_model(hf_lib, sizes)
+    theirs.save_pretrained(tmp_path, safe_serialization=True)
+    ours = eqrope.from_hf(tmp_path)
+    prompt = np.array([3, 1, 4, 1, 5], np.int32)
+    cases = {name: fields for name, (fields, _) in LENGTH_FILES.items()}
+    cases["max_length at the prompt"] = {"max_length": 5}
+    for name, fields in cases.items():
+        (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+        loaded = type(theirs).from_pretrained(tmp_path).eval()
+        config = eqrope.GenerationConfig.from_pretrained(tmp_path)
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Using the model-agnostic default max_length"
+                want = loaded.generate(torch.tensor(prompt)[None], do_sample=False)[0].numpy()
+        except ValueError as e:
+            assert "max_length" in str(e), name
+            with pytest.raises(ValueError, match="max_total=5"):
+                eqrope.generate(ours, prompt, config=config)
+            continue
+        got = np.asarray(eqrope.generate(ours, prompt, config=config))
+        assert got.tolist() == want.tolist(), name

@@ -189,7 +189,7 @@ def test_index_page_trains_a_few_steps():
                   "model, opt_state, loss = step(model, opt_state, ids, targets, mask)",
                   ">>> losses[-1] < losses[0]\nTrue"):  # fmt: skip
         assert piece in block
-    assert 'logging.getLogger("eqrope").setLevel(logging.INFO)' in index
+    assert "eqrope.enable_logging()" in index  # eqrope's lines alone (issue 44, item 6)
 
 
 # -- 8. reprs --------------------------------------------------------------------------------

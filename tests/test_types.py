@@ -1,9 +1,10 @@
 """The public types as an editor sees them: mypy on tests/data/types_check.py.
 
-That file holds `typing.assert_type` lines for what `generate`, `generate_text` and
-`make_train_step` return; mypy reads eqrope's annotations through its `py.typed`
-(`--follow-imports=silent`: the library is analysed for its types, and only the small
-file's errors are reported, so jaxtyping's annotations inside eqrope do not count).
+That file holds `typing.assert_type` lines for what `generate`, `generate_text`,
+`make_train_step` and `make_adapter_train_step` return; mypy reads eqrope's annotations
+through its `py.typed` (`--follow-imports=silent`: the library is analysed for its types,
+and only the small file's errors are reported, so jaxtyping's annotations inside eqrope do
+not count).
 """
 
 import pathlib

@@ -5,6 +5,7 @@ The public API is `eqrope.NAME`; the folders group it by concern: `model`, `gene
 """
 
 from ._compilation_cache import use_compilation_cache as use_compilation_cache
+from ._log import enable_logging as enable_logging
 from .eval import Scores as Scores, score as score
 from .generation import (
     Generation as Generation,

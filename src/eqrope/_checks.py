@@ -77,6 +77,18 @@ def check_path(value, name: str) -> Path:
     return Path(text).expanduser().resolve()
 
 
+def not_local(given) -> str:
+    """The end of the message for a path `given` that does not exist: eqrope reads local
+    files only, and a hub id (`"HuggingFaceTB/SmolLM2-135M"`) must be downloaded first."""
+    given = os.fspath(given)
+    return (
+        f"{given!r} is not a local file or directory. eqrope does not download checkpoints: "
+        f"download a hub model first, with huggingface_hub.snapshot_download({given!r}) (which "
+        f"returns the local folder) or `hf download {given}` (which prints it), and pass that "
+        "folder."
+    )
+
+
 def check_bool(value, name: str) -> bool:
     """`True` or `False` (a NumPy bool becomes a `bool`); `"false"`, `0` or `None` raise."""
     if not isinstance(value, (bool, np.bool_)):

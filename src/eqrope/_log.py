@@ -8,8 +8,9 @@ call that reuses the compiled program.
 
 The loggers are `"eqrope"` and its children (`"eqrope.generation"`, `"eqrope.training"`,
 ...). eqrope adds a `logging.NullHandler` and configures nothing else, so the lines show
-only where the application asks: `logging.basicConfig(level=logging.INFO)`, or
-`logging.getLogger("eqrope").setLevel(logging.INFO)` with a handler on a parent.
+only where the application asks: `eqrope.enable_logging()` shows eqrope's alone, on
+standard error; `logging.basicConfig(level=logging.INFO)` shows every library's INFO lines
+(JAX's "Unable to initialize backend 'tpu'" among them).
 """
 
 import logging
@@ -54,3 +55,41 @@ def warn(message: str, category: type[Warning]) -> None:
     while frame.f_back is not None and frame.f_code.co_filename.startswith((_PACKAGE, *_WRAPPERS)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+# The name of `enable_logging`'s handler, by which a second call finds it.
+_HANDLER = "eqrope.enable_logging"
+
+
+def enable_logging(level: int | str = logging.INFO, stream=None) -> logging.Handler:
+    """Show eqrope's log lines, and no other library's, on standard error (or `stream`).
+
+    Sets the `"eqrope"` logger to `level` and gives it a `logging.StreamHandler` that
+    writes `eqrope.generation: compiling generate: batch 1, cache length 16 (...)`. The
+    root logger is left alone, so JAX's own INFO lines ("Unable to initialize backend
+    'tpu'", which `logging.basicConfig(level=logging.INFO)` shows) stay quiet. Calling it
+    again sets that handler's level and stream instead of adding another.
+
+    **Arguments:**
+
+    - `level`: `logging.INFO` (the default: which program compiles) or another level,
+      as a number or a name (`"DEBUG"`).
+    - `stream`: where the lines go; `None` is `sys.stderr`.
+
+    **Returns:** the handler; `logging.getLogger("eqrope").removeHandler(handler)` turns
+    the lines off again. An application that configures the root logger itself
+    (`logging.basicConfig`) does not need this: eqrope's lines reach the root's handlers
+    too, so with both each line shows twice.
+    """
+    logger = logging.getLogger("eqrope")
+    logger.setLevel(level)
+    handler = next((h for h in logger.handlers if h.get_name() == _HANDLER), None)
+    if handler is None:
+        handler = logging.StreamHandler()
+        handler.set_name(_HANDLER)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    handler.setStream(sys.stderr if stream is None else stream)
+    handler.setLevel(level)
+    return handler
+

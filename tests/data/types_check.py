@@ -10,6 +10,7 @@ import jax
 import optax
 
 import eqrope
+from eqrope.adapters import AdapterTrainStep
 from eqrope.training import TrainStep
 
 
@@ -41,3 +42,10 @@ new_model, new_state, loss = step(model, opt_state, ids, ids, ids > 0)
 assert_type(new_model, eqrope.RotaryDecoder)
 assert_type(new_state, Any)
 assert_type(loss, jax.Array)
+
+# make_adapter_train_step: an AdapterTrainStep, with the same return types and a key.
+adapter_step = eqrope.make_adapter_train_step(optimizer)
+assert_type(adapter_step, AdapterTrainStep)
+adapted, adapter_state, adapter_loss = adapter_step(model, opt_state, ids, ids, key=jax.random.key(2))
+assert_type(adapted, eqrope.RotaryDecoder)
+assert_type(adapter_loss, jax.Array)

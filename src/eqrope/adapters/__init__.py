@@ -13,6 +13,7 @@ from ._many import (
 )
 from ._peft import from_peft as from_peft, to_peft as to_peft
 from ._step import (
+    AdapterTrainStep as AdapterTrainStep,
     init_adapter_optimizer as init_adapter_optimizer,
     make_adapter_train_step as make_adapter_train_step,
 )

@@ -7,17 +7,32 @@ gradient of a base weight is ever computed, and they come out bitwise unchanged.
 """
 
 from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import equinox as eqx
 import jax
 import optax
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._log import compiling, shapes_of
 from ..training._loss import cross_entropy
-from ..training._step import check_loss_fn, check_opt_state, check_optimizer
+from ..training._step import NamedStep, check_loss_fn, check_opt_state, check_optimizer
 from ._lora import check_adapted, split_adapters
 from ._weight import is_lora, lora_weights
+
+
+_Model = TypeVar("_Model")
+
+
+@runtime_checkable
+class AdapterTrainStep(Protocol):
+    """The step [`eqrope.make_adapter_train_step`][] returns: `step(model, opt_state,
+    *batch, key=None) -> (model, opt_state, loss)`, the model of the type given (the
+    adapted model, base arrays unchanged) and the loss a float scalar."""
+
+    def __call__(
+        self, model: _Model, opt_state: PyTree, /, *batch: Any, key: PRNGKeyArray | None = None
+    ) -> tuple[_Model, PyTree, Float[Array, ""]]: ...
 
 
 def init_adapter_optimizer(optimizer: optax.GradientTransformation, model) -> PyTree:
@@ -45,7 +60,7 @@ ADAPTER_STATE = dict(
 def make_adapter_train_step(
     optimizer: optax.GradientTransformation,
     loss_fn: Callable = cross_entropy,
-) -> Callable:
+) -> AdapterTrainStep:
     """A step `(model, opt_state, *batch, key=None) -> (model, opt_state, loss)` that
     trains only the adapters of a model from [`eqrope.lora`][], in one compiled program.
 
@@ -100,7 +115,11 @@ def make_adapter_train_step(
         adapters, opt_state, loss = update(adapters, rest, opt_state, *batch, key=key, dropout=dropout)
         return eqx.combine(adapters, rest), opt_state, loss
 
-    return adapter_train_step
+    return NamedStep(
+        adapter_train_step, "eqrope.make_adapter_train_step",
+        "step(model, opt_state, *batch, key=None) -> (model, opt_state, loss), training the "
+        "adapters alone, compiled once per batch shape and dtype", loss_fn,
+    )  # fmt: skip
 
 
 def with_dropout_keys(model, key: PRNGKeyArray):

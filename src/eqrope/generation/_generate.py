@@ -50,6 +50,7 @@ def generate(
     *,
     config: GenerationConfig | None = None,
     max_len: int | None = None,
+    max_total: int | None | _FromConfig = FROM_CONFIG,
     temperature: float | ArrayLike | _FromConfig = FROM_CONFIG,
     top_k: int | None | _FromConfig = FROM_CONFIG,
     top_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
@@ -105,6 +106,10 @@ def generate(
       `eqrope.generation` logger, with its batch and cache length).
       `max_len=model.max_len` pins one program for every call (and lets generation run
       to the model's last position).
+    - `max_total`: transformers' `max_length`, instead of `max_new`: the most tokens of
+      a row, prompt and new tokens together; the call adds up to `max_total` minus the
+      longest prompt (`prompt_lengths`' largest), and refuses a prompt of `max_total`
+      tokens or more. Passing one of `max_new` and `max_total` replaces the config's other.
     - `temperature`, `top_k`, `top_p`, `min_p`: sampling; `temperature=0` (the default) is
       greedy. The logits are divided by the temperature, then truncated by top-k, top-p,
       then min-p (transformers' order); `None` turns a filter off.
@@ -204,7 +209,8 @@ def generate(
     settings = resolve(
         config,
         dict(
-            max_new=max_new, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            max_new=max_new, max_total=max_total, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, eos_id=eos_id, pad_id=pad_id, stop=stop,
             min_new=min_new, bad_ids=bad_ids, num_samples=num_samples,
@@ -215,22 +221,26 @@ def generate(
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
     )  # fmt: skip
-    _warn_if_cut(settings.max_new, request, max_len)
+    _warn_if_cut(settings, request, max_len)
     outputs = _PROGRAMS[request.program](model, request)
     return finish(request, outputs, return_logprobs)
 
 
-def _warn_if_cut(max_new: int | None, request: Request, max_len: int | None) -> None:
+def _warn_if_cut(settings: GenerationConfig, request: Request, max_len: int | None) -> None:
     """Warn when the cache stops a row before its `max_new` tokens (the cut is documented,
     but a newcomer's `generate(model, prompt, 300)` on a 256-position model is a slip)."""
     longest = int(request.lengths.max())
     fits = request.max_len - longest
-    if max_new is None or max_new <= fits:  # (None is refused by parse_request)
+    max_new = settings.new_tokens(longest)
+    if max_new <= fits:
         return
+    asked = f"max_new={max_new}"
+    if settings.max_new is None:
+        asked = f"max_total={settings.max_total} ({max_new} new tokens)"
     cache = f"max_len={max_len}" if max_len is not None else f"the model's max_len ({request.max_len})"
     prompt = f"{'longest ' if request.prompt.shape[0] > 1 else ''}prompt of {longest}"
     warn(
-        f"generate: max_new={max_new}, but {cache} holds {fits} new token{'s' * (fits != 1)} "
+        f"generate: {asked}, but {cache} holds {fits} new token{'s' * (fits != 1)} "
         f"after the {prompt}, so {max_new - fits} will not be generated. Pass max_new <= "
         f"{fits} to silence this.",
         TruncationWarning,

@@ -37,7 +37,14 @@ class GenerationConfig:
     `top_p=0.9`. The defaults are greedy decoding without any processor, which
     reproduces `generate`'s tokens without a config.
 
-    - `max_new`: the most new tokens per row (`None`: `generate` must be given it).
+    - `max_new`: the most new tokens per row (`None`: `generate` must be given it, or
+      `max_total`).
+    - `max_total`: transformers' `max_length`: the most tokens of a row, prompt and new
+      tokens together, read when `max_new` is `None`: a call then adds up to
+      `max_total - longest prompt` tokens, and refuses a prompt of `max_total` tokens or
+      more. The two are exclusive: passing either to `generate` replaces the config's
+      other, and `from_pretrained` reads a file's `max_length` only when it has no
+      `max_new_tokens` (which wins, as in transformers).
     - `temperature`: 0 is greedy; above 0 samples.
     - `top_k`, `top_p`, `min_p`: truncation of the sampled distribution, applied in this
       order after the temperature (transformers' order); `None` turns each off. `min_p`
@@ -66,6 +73,7 @@ class GenerationConfig:
     """
 
     max_new: int | None = None
+    max_total: int | None = None
     temperature: float | ArrayLike = 0.0
     top_k: int | None = None
     top_p: float | ArrayLike | None = None
@@ -83,12 +91,43 @@ class GenerationConfig:
     def __post_init__(self):
         for name, check in _CHECKS.items():
             object.__setattr__(self, name, check(getattr(self, name), name))
+        if self.max_new is not None and self.max_total is not None:
+            raise ValueError(
+                f"max_new={self.max_new} and max_total={self.max_total} are both set; pass "
+                "one: max_new, the new tokens, or max_total, the prompt and the new tokens "
+                "together (transformers' max_length)."
+            )
+
+    def new_tokens(self, prompt_len: int, who: str = "generate") -> int:
+        """The most new tokens after a prompt of `prompt_len` tokens (the longest of a
+        batch): `max_new`, else `max_total - prompt_len`.
+
+        Raises a `ValueError` when neither is set, and when the prompt leaves no room under
+        `max_total` (transformers refuses that prompt too).
+        """
+        if self.max_new is not None:
+            return self.max_new
+        if self.max_total is None:
+            raise ValueError(
+                f"{who} needs max_new, the most new tokens per row: pass max_new=..., or a "
+                "config with max_new set (or max_total, the prompt and new tokens together)."
+            )
+        if prompt_len >= self.max_total:
+            raise ValueError(
+                f"max_total={self.max_total} (transformers' max_length: the prompt and the new "
+                f"tokens together) leaves no new token after a prompt of {prompt_len} tokens; "
+                "pass max_new=... (the new tokens alone), or a larger max_total."
+            )
+        return self.max_total - prompt_len
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "GenerationConfig":
         """Read transformers' `generation_config.json` (a file, or the folder holding it).
 
-        `do_sample: false` (transformers' default) reads as greedy, `temperature: 0`;
+        `max_new_tokens` is `max_new`; without it, `max_length` is `max_total` (the prompt
+        and new tokens together), and without either, `max_new` is 20, as transformers
+        generates 20 new tokens by default. `do_sample: false` (transformers' default)
+        reads as greedy, `temperature: 0`;
         a `top_k` the file does not set (or sets to null) is transformers' default 50 (it
         only acts when sampling); `top_k: 0` and `top_p: 1` read as `None`; null, as in
         transformers 5, is the default of any field, and `[]` is none for the id and string
@@ -118,6 +157,11 @@ def resolve(config: GenerationConfig | None, given: dict) -> GenerationConfig:
     elif not isinstance(config, GenerationConfig):
         raise TypeError(f"config must be an eqrope.GenerationConfig, got {type(config).__name__}.")
     changes = {name: value for name, value in given.items() if value is not FROM_CONFIG}
+    # max_new and max_total are one setting in two spellings: the one passed replaces the
+    # config's other (both passed is refused by the record).
+    for name, other in (("max_new", "max_total"), ("max_total", "max_new")):
+        if changes.get(name) is not None and other not in changes:
+            changes[other] = None
     return dataclasses.replace(config, **changes) if changes else config
 
 

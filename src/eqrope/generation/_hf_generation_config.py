@@ -13,7 +13,7 @@ _IGNORED = {
     "bos_token_id", "decoder_start_token_id", "transformers_version", "_from_model_config",
     "use_cache", "return_dict_in_generate", "output_scores", "output_logits",
     "output_attentions", "output_hidden_states", "output_past_key_values",
-    "cache_implementation", "cache_config", "max_cache_len", "max_length", "low_memory",
+    "cache_implementation", "cache_config", "max_cache_len", "low_memory",
     "compile_config", "disable_compile", "prefill_chunk_size", "continuous_batching_config",
 }  # fmt: skip
 # Fields eqrope does not implement, with the values at which they change nothing:
@@ -50,12 +50,18 @@ _INSTEAD = {
 }
 # The fields read, each with the `GenerationConfig` field it becomes.
 _READ = {
-    "max_new_tokens": "max_new", "do_sample": None, "temperature": "temperature",
+    "max_new_tokens": "max_new", "max_length": "max_total", "do_sample": None,
+    "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
     "repetition_penalty": "repetition_penalty", "eos_token_id": "eos_id",
     "pad_token_id": "pad_id", "stop_strings": "stop", "min_new_tokens": "min_new",
     "bad_words_ids": "bad_ids", "num_return_sequences": "num_samples",
 }  # fmt: skip
+
+
+# transformers' default length: without max_new_tokens and max_length, `generate` adds 20
+# tokens to the prompt (`_get_default_generation_params`' max_length, counted as new).
+_DEFAULT_NEW_TOKENS = 20
 
 
 # transformers' keywords of `generate` that eqrope spells differently, with what to do
@@ -65,7 +71,8 @@ _KEYWORDS = {
     **{k: f"eqrope's is {v}" for k, v in _READ.items() if v is not None and v != k},
     "do_sample": "eqrope samples when temperature > 0 (pass key=jax.random.key(...)); "
     "temperature=0, the default, is greedy",
-    "max_length": "pass max_new (the new tokens); max_len is the cache rows, which bound the text",
+    "max_length": "pass max_new (the new tokens), or max_total (the prompt and the new tokens, "
+    "as max_length); max_len is the cache rows, which bound the text",
     "input_ids": "pass the prompt as generate's second argument",
     "attention_mask": "pass prompt_lengths (the rows right-padded)",
     "generation_config": "pass config=eqrope.GenerationConfig(...)",
@@ -79,11 +86,27 @@ _KEYWORDS = {
 }  # fmt: skip
 
 
+# Keywords of other sampling APIs (vLLM's `SamplingParams`, OpenAI's) that eqrope spells
+# differently: what to pass instead, `{value}` the int passed (else the keyword's name).
+_OTHER_KEYWORDS = {
+    "seed": "eqrope samples with a PRNG key, not a seed: pass key=jax.random.key({value}) to "
+    "the call that samples (a new key gives new samples)",
+}
+
+
 def refuse_hf_keywords(given, who: str, *, unknown: bool = False) -> None:
     """Raise a `TypeError` for a keyword of transformers' `generate` among the names
-    `given`, saying what eqrope takes instead; with `unknown=True`, for any name (those
-    of a function's `**unknown`), as Python would."""
+    `given` (a dict of keywords, or their names), saying what eqrope takes instead, and
+    for one of other APIs (`seed`); with `unknown=True`, for any name (those of a
+    function's `**unknown`), as Python would."""
     for name in given:
+        if name in _OTHER_KEYWORDS:
+            value = given[name] if isinstance(given, dict) else None
+            shown = value if isinstance(value, int) and not isinstance(value, bool) else name
+            raise TypeError(
+                f"{who}() got {name}={'' if value is None else repr(value)}: "
+                f"{_OTHER_KEYWORDS[name].format(value=shown)}."
+            )
         if name in _KEYWORDS:
             raise TypeError(
                 f"{who}() got {name}=, a keyword of transformers' generate: {_KEYWORDS[name]}. "
@@ -164,8 +187,14 @@ def hf_generation_fields(hf: dict, where: str = "GenerationConfig.from_pretraine
         stop = checked(_stop, stop, "stop_strings", where) if stop else None
     n = field("num_return_sequences")
     eos = checked(eos_ids_of, hf.get("eos_token_id"), "eos_token_id", where)
+    # transformers' lengths: max_new_tokens wins; else max_length is the prompt and the new
+    # tokens together; else 20 new tokens (`_prepare_generated_length`).
+    max_new, max_total = field("max_new_tokens"), field("max_length")
+    if max_new is None and max_total is None:
+        max_new = _DEFAULT_NEW_TOKENS
     return dict(
-        max_new=field("max_new_tokens"),
+        max_new=max_new,
+        max_total=max_total if max_new is None else None,
         temperature=(1.0 if temperature is None else temperature) if sample else 0.0,
         top_k=top_k or None,  # 0 is off
         top_p=None if top_p == 1.0 else top_p,

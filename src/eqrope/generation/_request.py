@@ -146,13 +146,9 @@ def parse_request(
     vocab = getattr(model, "vocab_size", None)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
     _check_fixed_rows(model, batched, prompt.shape)
-    if settings.max_new is None:
-        raise ValueError(
-            "generate needs max_new, the most new tokens per row: pass max_new=..., or a "
-            "config with max_new set."
-        )
-    rows = cache_rows(prompt.shape[1], settings.max_new, model_max_len, max_len)
-    max_new = min(settings.max_new, rows)  # the cache stops the text first; keeps it an int32
+    wanted = settings.new_tokens(int(lengths.max()))
+    rows = cache_rows(prompt.shape[1], wanted, model_max_len, max_len)
+    max_new = min(wanted, rows)  # the cache stops the text first; keeps it an int32
     if settings.temperature > 0 and key is None:
         raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
     sampling, eos_ids = sampling_of(settings, vocab)

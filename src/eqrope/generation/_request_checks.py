@@ -151,6 +151,7 @@ def _max_len(model) -> int:
 
 
 def _check_prompt(prompt, prompt_lengths, max_len, vocab):
+    _refuse_text_and_ragged_rows(prompt)
     prompt = as_int_array(prompt, "prompt", ndim=(1, 2), hint=" Use (seq,) or (batch, seq).")
     batched = prompt.ndim == 2
     if not batched:
@@ -183,6 +184,30 @@ def _check_prompt(prompt, prompt_lengths, max_len, vocab):
         real = np.arange(seq)[None, :] < lengths[:, None]
         check_vocab(prompt, vocab, "prompt", valid=real)
     return batched, prompt, lengths
+
+
+def _refuse_text_and_ragged_rows(prompt) -> None:
+    """A `TypeError` for a prompt of text, which goes to `generate_text`; a `ValueError` for
+    a list of rows of different lengths, which go in one right-padded array with their
+    `prompt_lengths`. Each says what to pass instead."""
+    rows = list(prompt) if isinstance(prompt, (list, tuple)) else None
+    if isinstance(prompt, str) or (rows and all(isinstance(r, str) for r in rows)):
+        example = repr(prompt if isinstance(prompt, str) else rows[0])
+        raise TypeError(
+            f"prompt must be token ids, got text ({example}): generate takes ids. For text in "
+            f"and out use eqrope.generate_text(model, tokenizer, {example}, max_new) with an "
+            "eqrope.Tokenizer, or pass tokenizer.encode(text)."
+        )
+    if not rows or not all(np.ndim(r) == 1 for r in rows):
+        return
+    lengths = [len(r) for r in rows]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"prompt is a ragged list (rows of {lengths} tokens), not an array. Pad the rows "
+            f"on the right to {max(lengths)} tokens (any id) into one (batch, seq) array and "
+            f"pass their lengths: prompt_lengths={lengths} (Tokenizer.encode_batch returns "
+            "both)."
+        )
 
 
 def _check_fixed_rows(model, batched: bool, shape: tuple[int, int]) -> None:

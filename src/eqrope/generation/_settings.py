@@ -85,6 +85,14 @@ def _eos(value, name):
     """An int, or a sequence of ints (Llama-3 instruct checkpoints end on any of three)."""
     if value is None:
         return None
+    texts = [value] if isinstance(value, str) else list(value) if _is_sequence(value) else []
+    text = next((t for t in texts if isinstance(t, str)), None)
+    if text is not None:
+        raise TypeError(
+            f"{name} must be token ids, got the text {text!r}: pass tokenizer.eos_ids (an "
+            "eqrope.Tokenizer's end ids), or that token's id, "
+            f"tokenizer.encode({text!r}, add_special_tokens=False)."
+        )
     if _is_sequence(value):
         return _ids(value, name, "pass None for no end token.")
     return token_id(value, name)
@@ -143,6 +151,7 @@ def _int(minimum: int, none: bool):
 
 _CHECKS = {
     "max_new": _int(0, none=True),
+    "max_total": _int(1, none=True),
     "temperature": _temperature,
     "top_k": _int(1, none=True),
     "top_p": _fraction(True, "the nucleus mass; None or 1 keeps everything"),

@@ -84,7 +84,7 @@ def check_reference(reference, policy) -> None:
 # The sampler's settings that `**controls` passes on (the others are make_grpo_step's own).
 CONTROLS = tuple(
     f.name for f in dataclasses.fields(GenerationConfig)
-    if f.name not in ("max_new", "temperature", "eos_id", "num_samples")
+    if f.name not in ("max_new", "max_total", "temperature", "eos_id", "num_samples")
 )  # fmt: skip
 
 _DEFAULTS = GenerationConfig()

@@ -133,9 +133,9 @@ class Engine:
     def submit(self, prompt, config: GenerationConfig | None = None, *, key=None, **settings) -> int:
         """Queue one 1-D prompt with its settings and key. **Returns:** its request id.
 
-        The settings are `config`'s (a [`eqrope.GenerationConfig`][], `max_new`
-        required) with `settings` (its fields as keywords, as `generate` takes them) over
-        it. `key` samples, as `generate(prompt, key=key)` would; `None`:
+        The settings are `config`'s (a [`eqrope.GenerationConfig`][], `max_new` or
+        `max_total` required) with `settings` (its fields as keywords, as `generate` takes
+        them) over it. `key` samples, as `generate(prompt, key=key)` would; `None`:
         `jax.random.key(request_id)`.
 
         Refuses, by a `ValueError` naming the fix, a prompt that cannot fit `max_len`,
@@ -151,8 +151,9 @@ class Engine:
                 "GenerationConfig's fields (docs/generation.md)."
             )
         config = resolve(config, settings)
-        if config.max_new is None:
-            raise ValueError("config needs max_new, the most new tokens: GenerationConfig(max_new=...).")
+        if config.max_new is None:  # from max_total, once the prompt's length is known
+            length = len(check_prompt(prompt, self.vocab, self.max_len, 0))
+            config = resolve(config, {"max_new": config.new_tokens(length, "Engine.submit")})
         prompt = check_prompt(prompt, self.vocab, self.max_len, config.max_new)
         sampling = request_sampling(config, self.vocab, self.caps)
         samples = config.num_samples

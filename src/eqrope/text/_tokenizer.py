@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import final
+from typing import NoReturn, final
 
 import jinja2
 import jinja2.ext
@@ -22,7 +22,7 @@ import numpy as np
 import tokenizers
 from jaxtyping import Int32
 
-from .._checks import check_bool, check_path
+from .._checks import check_bool, check_path, not_local
 from .._json import checked, read_json
 from ..generation._hf_generation_config import eos_ids_of
 from ._token_bytes import token_bytes
@@ -83,6 +83,15 @@ class Tokenizer:
             f"pad_id={self.pad_id}, chat_template={template})"
         )
 
+    def __call__(self, *args, **kwargs) -> NoReturn:
+        """Not callable, unlike transformers' tokenizers: a `TypeError` that names the
+        methods (`encode` for one text, `encode_batch` for several)."""
+        raise TypeError(
+            "an eqrope.Tokenizer is not callable (unlike transformers' tokenizers): use "
+            "tokenizer.encode(text) for one text's token ids, or tokenizer.encode_batch(texts) "
+            "for a right-padded (ids, lengths) batch, and tokenizer.decode(ids) back."
+        )
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Tokenizer":
         """Read the tokenizer of a Hugging Face checkpoint directory.
@@ -118,12 +127,7 @@ class Tokenizer:
         folder = path.parent if path.name == "tokenizer.json" and path.is_file() else path
         file = folder / "tokenizer.json"
         if not path.exists():
-            raise FileNotFoundError(
-                f"{_WHO}: {file} not found: {str(given)!r} is not a local file or directory. "
-                "eqrope does not download checkpoints: download a hub model first, e.g. with "
-                f"huggingface_hub.snapshot_download({str(given)!r}), and pass the local "
-                "directory it returns."
-            )
+            raise FileNotFoundError(f"{_WHO}: {file} not found: {not_local(given)}")
         if not file.is_file():
             raise FileNotFoundError(
                 f"{_WHO}: {file} not found. Pass a Hugging Face checkpoint directory that holds "

@@ -33,6 +33,14 @@ def cross_entropy(
     JAX's gather would otherwise return NaN, or the loss of another token.
     """
     ignore_id = check_int(ignore_id, "ignore_id", none=True)
+    for name, x in (("ids", ids), ("targets", targets)):
+        if getattr(x, "ndim", None) == 1:
+            raise ValueError(
+                f"{name} must have rank 2, (batch, seq), got one sequence of shape "
+                f"{x.shape}: the loss takes a batch of rows. For one sequence pass "
+                "ids[None], targets[None] (and mask[None]); for several, stack them into "
+                "(batch, seq) arrays."
+            )
     targets = as_int_array(targets, "targets", ndim=2)
     logits = jax.vmap(model)(ids).astype(jnp.float32)
     if targets.shape != logits.shape[:2]:

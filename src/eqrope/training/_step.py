@@ -2,7 +2,7 @@
 train step (this one, the adapters', GRPO's) makes of its optimizer and its state."""
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, final, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -24,6 +24,28 @@ class TrainStep(Protocol):
     def __call__(
         self, model: _Model, opt_state: PyTree, /, *batch: Any
     ) -> tuple[_Model, PyTree, Float[Array, ""]]: ...
+
+
+@final
+class NamedStep:
+    """A train step as [`eqrope.make_train_step`][] and
+    [`eqrope.make_adapter_train_step`][] return it: calling it calls `fn` (compiled with
+    `eqx.filter_jit`), and its repr says what it is and how to call it, not
+    `_JitWrapper(...)`."""
+
+    def __init__(self, fn: Callable, made_by: str, call: str, loss_fn: Callable):
+        self.fn, self.made_by, self.call, self.loss_fn = fn, made_by, call, loss_fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`fn.lower(...)`: the step lowered for these arguments (`.compile()` it)."""
+        return self.fn.lower(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        loss = getattr(self.loss_fn, "__qualname__", None) or repr(self.loss_fn)
+        return f"<{self.made_by}(optimizer, loss_fn={loss}): {self.call}>"
 
 
 def check_optimizer(optimizer, who: str) -> optax.GradientTransformation:
@@ -103,4 +125,8 @@ def make_train_step(
         model = eqx.apply_updates(model, updates)
         return model, opt_state, loss
 
-    return train_step
+    return NamedStep(
+        train_step, "eqrope.make_train_step",
+        "step(model, opt_state, *batch) -> (model, opt_state, loss), compiled once per batch "
+        "shape and dtype", loss_fn,
+    )  # fmt: skip

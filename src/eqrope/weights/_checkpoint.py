@@ -291,7 +291,8 @@ def _read_config(file: Path) -> tuple[DecoderConfig, int, str]:
     if data.get("format") != FORMAT:
         raise ValueError(
             f"eqrope.load: {file} has format {data.get('format')!r}, not {FORMAT!r}; it was not "
-            "written by eqrope.save. For a Hugging Face directory use eqrope.from_hf_llama."
+            f"written by eqrope.save. For a Hugging Face directory use "
+            f"eqrope.from_hf({str(file.parent)!r})."
         )
     version = data.get("format_version")
     if type(version) is not int or not 1 <= version <= FORMAT_VERSION:

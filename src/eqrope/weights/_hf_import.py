@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
-from .._checks import check_int, check_path
+from .._checks import check_int, check_path, not_local
 from ..model._config import _DTYPES, DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
@@ -45,6 +45,9 @@ def from_hf(
     **Arguments:**
 
     - `path`: the directory `save_pretrained` wrote (or a hub snapshot); `~` is expanded.
+      eqrope does not download: a hub id (`"HuggingFaceTB/SmolLM2-135M"`) or a missing
+      path raises a `FileNotFoundError` that says how to download it, and a file (its
+      `model.safetensors`) one that names its folder.
     - `dtype`: the model's dtype, one of `"float32"`, `"bfloat16"`, `"float16"`,
       `"float64"` (with `jax_enable_x64`) or the matching NumPy/JAX dtype; `None` keeps
       the checkpoint's (bfloat16 stays bfloat16; norms, softmax and rotary angles compute
@@ -78,11 +81,13 @@ def from_hf(
     it). A `dtype` eqrope models cannot hold (`"int8"`, `"bogus"`) raises a `ValueError`
     naming `dtype` and the choices.
     """
-    path = check_path(path, "from_hf: path")
+    given, path = path, check_path(path, "from_hf: path")
+    if not path.exists():
+        raise FileNotFoundError(f"from_hf: no directory at {path}: {not_local(given)}")
     if not path.is_dir():
         raise FileNotFoundError(
-            f"from_hf: no directory at {path}; pass the directory that "
-            "save_pretrained wrote (config.json + *.safetensors)."
+            f"from_hf: {path} is a file, not a directory; pass its folder, {str(path.parent)!r}: "
+            "the directory that save_pretrained wrote (config.json + *.safetensors)."
         )
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
@@ -93,7 +98,8 @@ def from_hf(
     max_len = check_int(max_len, "max_len", minimum=1, none=True)
     check_layout(layout, "from_hf: layout")
     dtype_name = _model_dtype(
-        dtype, f"from_hf: dtype={dtype!r}", "Pass one of them, or None for the checkpoint's."
+        dtype, f"from_hf: dtype={dtype!r}", "Pass dtype= one of them (a name or a NumPy/JAX "
+        "dtype), or None for the checkpoint's."
     )
     # The config is checked before any weights are read; without `dtype`, the dtype comes
     # from them, once they are checked (float32 until then: the shapes do not depend on it).
@@ -113,7 +119,7 @@ def from_hf(
                 kept,
                 f"from_hf: tensor {embed_name!r} in {path} is {kept}, and dtype=None keeps the "
                 "checkpoint's dtype",
-                "Pass dtype='float32' (or another of them) to convert.",
+                "Pass dtype= one of them to convert, e.g. dtype='float32'.",
             )
             config = dataclasses.replace(config, dtype=dtype_name)
 
@@ -182,11 +188,16 @@ def _model_dtype(dtype, what: str, fix: str) -> str | None:
     except (TypeError, ValueError):
         name = None
     if name not in _DTYPES:
-        raise ValueError(f"{what}: eqrope models hold one of {', '.join(_DTYPES)}. {fix}")
+        raise ValueError(
+            f"{what}: eqrope models hold one of {', '.join(_DTYPES)} (float64 with "
+            f"jax_enable_x64). {fix}"
+        )
     if name == "float64" and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+        others = ", ".join(n for n in _DTYPES if n != "float64")
         raise ValueError(
             f"{what}: float64 needs jax_enable_x64, which is off (every array would silently "
-            f"be float32); call jax.config.update('jax_enable_x64', True) first. {fix}"
+            f"be float32); call jax.config.update('jax_enable_x64', True) first, or use one of "
+            f"{others}. {fix}"
         )
     return name
 
