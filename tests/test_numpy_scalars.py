@@ -172,6 +172,16 @@ def test_model_config_takes_numpy_numbers(form):
     assert type(config.attention.window) is int and type(config.rope_scaling.factor) is float
 
 
+# Pending: src/eqrope/model/_decoder.py (another helper's file this round) builds its
+# arrays from the raw sizes, not the config's ints, and annotates them `int`.
+@pytest.mark.xfail(strict=True, reason="RotaryDecoder and init_cache take plain ints (_decoder.py)")
+def test_the_decoder_takes_numpy_sizes(model, form):
+    built = eqrope.RotaryDecoder(form(8), form(16), form(2), form(1), form(16), key=jax.random.key(0))
+    assert built.config == eqrope.RotaryDecoder(8, 16, 2, 1, 16, key=jax.random.key(0)).config
+    cache = model.init_cache(batch=form(2), max_len=form(8), chunk=form(4))
+    assert cache.keys.shape == model.init_cache(batch=2, max_len=8, chunk=4).keys.shape
+
+
 def test_rope_and_cache_sizes_take_numpy_numbers(form):
     inv_freq = eqrope.rope_inv_freq(form(8), form(500.0))
     np.testing.assert_array_equal(inv_freq, eqrope.rope_inv_freq(8, plain(form(500.0))))
@@ -274,6 +284,15 @@ def test_the_tokenizer_takes_numpy_ids(backend, form):
     tok = eqrope.Tokenizer(backend, eos_ids=(form(1),), pad_id=form(2))
     assert tok.eos_ids == (1,) and tok.pad_id == 2
     assert type(tok.eos_ids[0]) is int and type(tok.pad_id) is int
+
+
+# Pending: src/eqrope/text/_generate_text.py (another helper's file this round) annotates
+# max_new `int`, which beartype holds against np.int64 (the settings pass through).
+@pytest.mark.xfail(strict=True, reason="generate_text's max_new annotation is int (_generate_text.py)")
+def test_generate_text_takes_a_numpy_max_new(model, backend, form):
+    tok = eqrope.Tokenizer(backend, eos_ids=(1,))
+    got = eqrope.generate_text(model, tok, "hi hi", form(3), top_k=form(2), temperature=form(0.5), key=jax.random.key(0))
+    assert got == eqrope.generate_text(model, tok, "hi hi", 3, top_k=2, temperature=0.5, key=jax.random.key(0))
 
 
 def test_the_lm_eval_model_takes_numpy_numbers(model, backend, form):
