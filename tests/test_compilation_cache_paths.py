@@ -67,7 +67,7 @@ def test_a_relative_path_is_resolved_at_the_call(tmp_path, monkeypatch):
     assert not (tmp_path / "elsewhere" / "relcache").exists()
 
 
-@pytest.mark.parametrize("seconds", [np.float32(0.5), np.float64(0.25), np.int64(1), 2])
+@pytest.mark.parametrize("seconds", [np.float32(0.5), np.float64(0.25), np.int64(1), np.array(0.75), 2])
 def test_numpy_numbers_of_seconds_are_numbers(tmp_path, seconds):
     eqrope.use_compilation_cache(tmp_path, min_compile_time_s=seconds)
     assert jax.config.jax_persistent_cache_min_compile_time_secs == float(seconds)

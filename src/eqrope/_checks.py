@@ -25,8 +25,39 @@ def on_device(x):
     return x if isinstance(x, jax.Array) else jax.device_put(x)
 
 
+def as_scalar(value):
+    """The NumPy scalar a 0-d NumPy array or a concrete 0-d JAX array holds; any other
+    `value` (a Python or NumPy scalar, a tracer, a list) as it is.
+
+    Every number check unwraps with this first, so `np.array(3)` and `jnp.float32(0.5)`
+    are the numbers they hold wherever eqrope takes a number."""
+    if (
+        not isinstance(value, np.generic)
+        and getattr(value, "ndim", None) == 0
+        and hasattr(value, "dtype")
+        and is_concrete(value)
+    ):
+        return np.asarray(value)[()]
+    return value
+
+
+def is_int(value) -> bool:
+    """True for a Python or NumPy integer or a 0-d integer array; False for a bool."""
+    value = as_scalar(value)
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value) -> bool:
+    """True for a Python or NumPy int or float or a 0-d array of one; False for a bool."""
+    value = as_scalar(value)
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
 def check_int(value, name: str, *, minimum: int | None = None, none: bool = False) -> int | None:
-    """A Python or NumPy integer (not a bool) that is `>= minimum`, returned as `int`.
+    """A Python or NumPy integer or a 0-d integer array (not a bool) that is
+    `>= minimum`, returned as `int`.
 
     `none=True` lets `None` through unchanged. Every integer argument of eqrope's API
     goes through here, so they all refuse the same things with the same words.
@@ -37,27 +68,31 @@ def check_int(value, name: str, *, minimum: int | None = None, none: bool = Fals
         minimum, f"an int >= {minimum}"
     )
     wanted = f"{name} must be {kind}{' or None' if none else ''}"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not is_int(value):
         raise TypeError(f"{wanted}, got {value!r} ({type(value).__name__}).")
-    if minimum is not None and value < minimum:
+    number = int(as_scalar(value))
+    if minimum is not None and number < minimum:
         raise ValueError(f"{wanted}, got {value}.")
-    return int(value)
+    return number
 
 
 def check_float(value, name: str) -> float:
-    """A finite real number (a Python or NumPy int or float, not a bool), as `float`.
+    """A finite real number (a Python or NumPy int or float, or a 0-d array of one; not a
+    bool), as `float`.
 
     `np.float32(5e5)` becomes `500000.0`, exactly `float(value)`.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
+    if not is_real(value):
         raise TypeError(
             f"{name} must be a finite number, got {value!r} ({type(value).__name__})."
         )
-    if not math.isfinite(value):
+    try:
+        number = float(as_scalar(value))
+    except OverflowError:  # a Python int past float64's range
+        number = math.inf
+    if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    return float(value)
+    return number
 
 
 def check_path(value, name: str) -> Path:
@@ -182,7 +217,7 @@ def _python_ints(x, name: str, hint: str = "") -> np.ndarray:
 def _all_ints(x) -> bool:
     if isinstance(x, (list, tuple)):
         return all(_all_ints(v) for v in x)
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    return is_int(x)
 
 
 def check_vocab(ids, vocab_size: int, name: str = "ids", *, valid=None):

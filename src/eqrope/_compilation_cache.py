@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 
 import jax
-import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from ._checks import check_float, check_path
+from ._custom_types import RealLike
 
 
 def default_directory() -> Path:
@@ -26,7 +26,7 @@ def default_directory() -> Path:
 def use_compilation_cache(
     directory: str | os.PathLike | None = None,
     *,
-    min_compile_time_s: float | int | np.floating | np.integer = 0.0,
+    min_compile_time_s: RealLike = 0.0,
 ) -> Path:
     """Keep every program JAX compiles from now on (eqrope's and any other) in `directory`,
     and read it back instead of compiling in later processes.

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from .._checks import check_bool, check_float, check_int, check_key
+from .._custom_types import IntLike, RealLike
 from ..model._decoder import RotaryDecoder
 from ..model._init import uniform_weight
 from ..weights._table import BY_PATH
@@ -44,10 +45,10 @@ def check_adapted(model, who: str) -> RotaryDecoder:
 def lora(
     model: RotaryDecoder,
     *,
-    rank: int = 8,
-    alpha: float | int = 8.0,
+    rank: IntLike = 8,
+    alpha: RealLike = 8.0,
     targets=("q", "v"),
-    dropout: float | int = 0.0,
+    dropout: RealLike = 0.0,
     rslora: bool = False,
     key: PRNGKeyArray,
 ) -> RotaryDecoder:

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike
 
-from .._checks import as_int_array, is_concrete
+from .._checks import as_int_array, as_scalar, is_concrete, is_int
+from .._custom_types import IntLike
 from ..model._decoder import RotaryDecoder
 from ._lora import check_adapted
 from ._weight import LowRank, is_lora, lora_weights
@@ -126,11 +127,12 @@ def adapter_axes(model: RotaryDecoder):
     return jax.tree.map(axes, model, is_leaf=_is_part)
 
 
-def take_adapter(model: RotaryDecoder, index: int) -> RotaryDecoder:
+def take_adapter(model: RotaryDecoder, index: IntLike) -> RotaryDecoder:
     """Adapter `index` of a model from [`eqrope.stack_adapters`][], as one adapted model."""
     k = _count(model, "take_adapter")
-    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < k:
+    if not is_int(index) or not 0 <= int(as_scalar(index)) < k:
         raise ValueError(f"take_adapter: index must be an int in [0, {k}), got {index!r}.")
+    index = int(as_scalar(index))
     axis = _axis(model)
     take = lambda x: jax.tree.map(lambda a: jnp.take(a, index, axis), x) if _is_part(x) else x  # noqa: E731
     return jax.tree.map(take, model, is_leaf=_is_part)

@@ -4,7 +4,7 @@ fix, and returns the arguments as NumPy arrays and ints; and the rows a mesh spl
 
 import numpy as np
 
-from .._checks import as_int_array, check_int, check_vocab, is_concrete
+from .._checks import as_int_array, check_int, check_vocab, is_concrete, is_int
 from ..generation._request_checks import has_cache_protocol
 from ..sharding._mesh import mesh_size
 from ..sharding._rules import ShardingRules
@@ -39,11 +39,12 @@ def check_arguments(model, tokens, prompt_lengths, lengths, prefix, window, stri
             raise TypeError(UNDER_JIT.format(name=name))
     max_len, vocab = getattr(model, "max_len", None), getattr(model, "vocab_size", None)
     for name, value in (("max_len", max_len), ("vocab_size", vocab)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise TypeError(
                 f"score needs a model with an integer `{name}` attribute (a causal model "
                 f"`ids -> logits` such as eqrope.RotaryDecoder); got {type(model).__name__}."
             )
+    max_len, vocab = int(max_len), int(vocab)
     ids = np.asarray(
         as_int_array(
             tokens,
@@ -142,7 +143,7 @@ def _per_row(value, name: str, batch: int, seq: int) -> np.ndarray:
     """`value` (None, an int, or one int per row) as a `(batch,)` int array."""
     if value is None:
         return np.full((batch,), seq, np.int32)
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+    if is_int(value):
         # Range-checked as int32 before the cast (`np.full` would overflow).
         return np.full((batch,), as_int_array(check_int(value, name), name, ndim=0), np.int32)
     values = np.asarray(as_int_array(value, name, ndim=(0, 1)))

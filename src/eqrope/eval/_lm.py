@@ -28,6 +28,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 
 from .._checks import check_bool, check_int
+from .._custom_types import IntLike
 from ..model import count_params
 from ..sharding._rules import ShardingRules
 from ..text import Tokenizer
@@ -81,13 +82,13 @@ class LM(TemplateLM):
         tokenizer=None,
         *,
         dtype: str | None = None,
-        batch_size: int | str = 1,
-        max_batch_size: int | None = 64,
-        max_length: int | None = None,
-        max_gen_toks: int = 256,
+        batch_size: IntLike | str = 1,
+        max_batch_size: IntLike | None = 64,
+        max_length: IntLike | None = None,
+        max_gen_toks: IntLike = 256,
         device: str | None = None,
-        seed: int = 1234,
-        prefix_token_id: int | None = None,
+        seed: IntLike = 1234,
+        prefix_token_id: IntLike | None = None,
         add_bos_token: bool | None = None,
         mesh=None,
         rules: ShardingRules | None = None,
@@ -162,9 +163,9 @@ class LM(TemplateLM):
         self.custom_prefix_token_id = check_int(
             prefix_token_id, "prefix_token_id", minimum=0, none=True
         )
-        if prefix_token_id is not None and prefix_token_id >= model.vocab_size:
+        if self.custom_prefix_token_id is not None and self.custom_prefix_token_id >= model.vocab_size:
             raise ValueError(
-                f"prefix_token_id={prefix_token_id} is outside the model's vocabulary "
+                f"prefix_token_id={self.custom_prefix_token_id} is outside the model's vocabulary "
                 f"[0, {model.vocab_size}); pass a token id of its tokenizer, or None (BOS)."
             )
         self.add_bos_token = None if add_bos_token is None else check_bool(

@@ -21,6 +21,7 @@ import equinox as eqx
 import numpy as np
 from jaxtyping import Bool, Float
 
+from .._custom_types import IntLike
 from ..sharding._rules import ShardingRules
 from ._arguments import check_arguments, row_multiple
 from ._prefix import Continuation, Group, run_groups
@@ -54,9 +55,9 @@ def score(
     lengths=None,
     *,
     prefix=None,
-    window: int | None = None,
-    stride: int | None = None,
-    batch_size: int | None = None,
+    window: IntLike | None = None,
+    stride: IntLike | None = None,
+    batch_size: IntLike | None = None,
     mesh=None,
     rules: ShardingRules | None = None,
 ) -> Scores:

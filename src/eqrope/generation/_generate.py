@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 
 from jaxtyping import Array, ArrayLike, Int
 
+from .._custom_types import IntLike
 from .._log import warn
 from ._decode import run_cached
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
@@ -30,49 +31,49 @@ class TruncationWarning(UserWarning):
 # The types an editor sees: tokens, or a `Generation` with `return_logprobs=True`.
 @overload
 def generate(
-    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: Literal[False] = ...,
+    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: Literal[False] = ...,
     **settings: Any,
 ) -> Int[Array, "*batch total"]: ...
 @overload
 def generate(
-    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: Literal[True], **settings: Any
+    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: Literal[True], **settings: Any
 ) -> Generation: ...
 @overload
 def generate(
-    model, prompt, max_new: int | _FromConfig = ..., *, return_logprobs: bool, **settings: Any
+    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: bool, **settings: Any
 ) -> Int[Array, "*batch total"] | Generation: ...
 
 
 def generate(
     model,
     prompt,
-    max_new: int | _FromConfig = FROM_CONFIG,
+    max_new: IntLike | _FromConfig = FROM_CONFIG,
     *,
     config: GenerationConfig | None = None,
-    max_len: int | None = None,
-    max_total: int | None | _FromConfig = FROM_CONFIG,
+    max_len: IntLike | None = None,
+    max_total: IntLike | None | _FromConfig = FROM_CONFIG,
     temperature: float | ArrayLike | _FromConfig = FROM_CONFIG,
-    top_k: int | None | _FromConfig = FROM_CONFIG,
+    top_k: IntLike | None | _FromConfig = FROM_CONFIG,
     top_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
     min_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
     repetition_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
     presence_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
     frequency_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
     key=None,
-    eos_id: int | Sequence[int] | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    eos_id: IntLike | Sequence[IntLike] | ArrayLike | None | _FromConfig = FROM_CONFIG,
     stop: Sequence | None | _FromConfig = FROM_CONFIG,
-    min_new: int | _FromConfig = FROM_CONFIG,
-    bad_ids: Sequence[int] | ArrayLike | None | _FromConfig = FROM_CONFIG,
-    num_samples: int | None | _FromConfig = FROM_CONFIG,
+    min_new: IntLike | _FromConfig = FROM_CONFIG,
+    bad_ids: Sequence[IntLike] | ArrayLike | None | _FromConfig = FROM_CONFIG,
+    num_samples: IntLike | None | _FromConfig = FROM_CONFIG,
     prompt_lengths=None,
-    pad_id: int | None | _FromConfig = FROM_CONFIG,
+    pad_id: IntLike | None | _FromConfig = FROM_CONFIG,
     on_token: Callable[[int, int, int], object] | None = None,
     draft=None,
-    draft_len: int | None = None,
+    draft_len: IntLike | None = None,
     accept: str | None = None,
     return_logprobs: bool = False,
     check_finite: bool = True,
-    prefill_chunk: int | Literal["auto"] = "auto",
+    prefill_chunk: IntLike | Literal["auto"] = "auto",
     mesh=None,
     rules=None,
     **unknown,
@@ -221,12 +222,12 @@ def generate(
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
     )  # fmt: skip
-    _warn_if_cut(settings, request, max_len)
+    _warn_if_cut(settings, request, max_len is not None)
     outputs = _PROGRAMS[request.program](model, request)
     return finish(request, outputs, return_logprobs)
 
 
-def _warn_if_cut(settings: GenerationConfig, request: Request, max_len: int | None) -> None:
+def _warn_if_cut(settings: GenerationConfig, request: Request, explicit: bool) -> None:
     """Warn when the cache stops a row before its `max_new` tokens (the cut is documented,
     but a newcomer's `generate(model, prompt, 300)` on a 256-position model is a slip)."""
     longest = int(request.lengths.max())
@@ -237,7 +238,7 @@ def _warn_if_cut(settings: GenerationConfig, request: Request, max_len: int | No
     asked = f"max_new={max_new}"
     if settings.max_new is None:
         asked = f"max_total={settings.max_total} ({max_new} new tokens)"
-    cache = f"max_len={max_len}" if max_len is not None else f"the model's max_len ({request.max_len})"
+    cache = f"max_len={request.max_len}" if explicit else f"the model's max_len ({request.max_len})"
     prompt = f"{'longest ' if request.prompt.shape[0] > 1 else ''}prompt of {longest}"
     warn(
         f"generate: {asked}, but {cache} holds {fits} new token{'s' * (fits != 1)} "

@@ -13,6 +13,7 @@ from pathlib import Path
 from jaxtyping import ArrayLike
 
 from .._checks import check_path
+from .._custom_types import IntLike
 from .._json import read_json
 from ._hf_generation_config import hf_generation_fields
 from ._settings import _CHECKS
@@ -72,21 +73,21 @@ class GenerationConfig:
     Use `dataclasses.replace(cfg, top_k=None)` for a changed copy.
     """
 
-    max_new: int | None = None
-    max_total: int | None = None
+    max_new: IntLike | None = None
+    max_total: IntLike | None = None
     temperature: float | ArrayLike = 0.0
-    top_k: int | None = None
+    top_k: IntLike | None = None
     top_p: float | ArrayLike | None = None
     min_p: float | ArrayLike | None = None
     repetition_penalty: float | ArrayLike = 1.0
     presence_penalty: float | ArrayLike = 0.0
     frequency_penalty: float | ArrayLike = 0.0
-    eos_id: int | Sequence[int] | ArrayLike | None = None
-    pad_id: int | None = None
+    eos_id: IntLike | Sequence[IntLike] | ArrayLike | None = None
+    pad_id: IntLike | None = None
     stop: Sequence | None = None
-    min_new: int = 0
-    bad_ids: Sequence[int] | ArrayLike | None = None
-    num_samples: int | None = None
+    min_new: IntLike = 0
+    bad_ids: Sequence[IntLike] | ArrayLike | None = None
+    num_samples: IntLike | None = None
 
     def __post_init__(self):
         for name, check in _CHECKS.items():

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from .._checks import check_int, is_concrete
+from .._custom_types import IntLike
 from ._generation_config import GenerationConfig
 from ._request_checks import (
     _check_draft,
@@ -87,7 +88,7 @@ class Request:
         return min(self.prompt.shape[1] + self.max_new, self.max_len)
 
 
-def cache_rows(seq: int, max_new: int, model_max_len: int, max_len: int | None) -> int:
+def cache_rows(seq: int, max_new: int, model_max_len: int, max_len: IntLike | None) -> int:
     """The cache length of one `generate` call.
 
     `max_len=None` picks the smallest power of two (at least 16) that holds the prompt
@@ -143,7 +144,7 @@ def parse_request(
     if stream is not None and not callable(stream):  # every path, the uncached one too
         raise TypeError(f"on_token must be a function (row, position, token), got {stream!r}.")
     model_max_len = _max_len(model)
-    vocab = getattr(model, "vocab_size", None)
+    vocab = check_int(getattr(model, "vocab_size", None), "the model's vocab_size", minimum=1, none=True)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
     _check_fixed_rows(model, batched, prompt.shape)
     wanted = settings.new_tokens(int(lengths.max()))

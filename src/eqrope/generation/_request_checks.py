@@ -7,7 +7,7 @@ import functools
 import jax
 import numpy as np
 
-from .._checks import as_int_array, check_int, check_key, check_vocab
+from .._checks import as_int_array, check_int, check_key, check_vocab, is_int
 from ._generation_config import GenerationConfig
 from ._settings import token_id
 from ._stop_strings import StopStrings
@@ -142,12 +142,12 @@ def has_cache_protocol(model) -> bool:
 
 def _max_len(model) -> int:
     max_len = getattr(model, "max_len", None)
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if not is_int(max_len) or max_len < 1:
         raise TypeError(
             "generate needs a model with an integer `max_len` attribute (and either the "
             f"cache protocol or `model(ids) -> logits`); got {type(model).__name__}."
         )
-    return max_len
+    return int(max_len)
 
 
 def _check_prompt(prompt, prompt_lengths, max_len, vocab):

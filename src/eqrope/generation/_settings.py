@@ -8,17 +8,15 @@ import math
 
 import numpy as np
 
-from .._checks import check_int
+from .._checks import as_scalar, check_int, is_int, is_real
 from ._stop_strings import StopStrings
 
 
 def real(value, name: str, wanted: str) -> float:
-    """A Python, NumPy or 0-d JAX real scalar as a float; anything else is refused by name."""
-    if hasattr(value, "dtype") and getattr(value, "ndim", None) == 0 and not isinstance(value, np.generic):
-        value = np.asarray(value)[()]  # a 0-d JAX or NumPy array: its NumPy scalar
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    """A Python, NumPy or 0-d array real scalar as a float; anything else is refused by name."""
+    if not is_real(value):
         raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__}).")
-    return float(value)
+    return float(as_scalar(value))
 
 
 def _temperature(value, name):
@@ -69,7 +67,7 @@ def token_id(value, name: str, vocab: int | None = None) -> int | None:
 
 
 def _is_sequence(value) -> bool:
-    return isinstance(value, (list, tuple, np.ndarray)) or (
+    return isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0) or (
         hasattr(value, "ndim") and hasattr(value, "tolist") and value.ndim == 1
     )
 
@@ -119,7 +117,7 @@ def _stop(value, name):
     entries = list(value)
     if not entries:
         raise ValueError(f"{name} is an empty list; pass None for no stop sequences.")
-    if all(isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in entries):
+    if all(map(is_int, entries)):
         raise TypeError(
             f"{name} must be a list of token-id sequences; got a flat list {entries!r}. "
             f"Wrap one sequence in a list: {name}=[{entries!r}]."

@@ -3,6 +3,7 @@
 import dataclasses
 
 from .._checks import check_bool, check_int
+from .._custom_types import IntLike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +38,12 @@ class AttentionOptions:
       A list is stored as a tuple.
     """
 
-    head_dim: int | None = None
+    head_dim: IntLike | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
-    window: int | None = None
-    window_blocks: tuple[int, ...] | list[int] | None = None
+    window: IntLike | None = None
+    window_blocks: tuple[IntLike, ...] | list[IntLike] | None = None
 
     def __post_init__(self):
         for name in ("head_dim", "window"):

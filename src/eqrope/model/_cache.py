@@ -15,6 +15,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
 from .._checks import check_int, is_concrete
+from .._custom_types import IntLike
 from ._block_cache import BlockCache, _first
 from ._config import DecoderConfig
 
@@ -82,10 +83,10 @@ class KVCache(eqx.Module):
         cls,
         config: DecoderConfig,
         *,
-        batch: int | None = None,
-        max_len: int | None = None,
+        batch: IntLike | None = None,
+        max_len: IntLike | None = None,
         dtype=None,
-        chunk: int = DEFAULT_CHUNK,
+        chunk: IntLike = DEFAULT_CHUNK,
         per_block: bool = False,
     ) -> "KVCache":
         """Zeros for `config`, with a leading `batch` axis if given.
@@ -325,7 +326,7 @@ def check_rows(max_len, config: DecoderConfig) -> int:
 
 
 def cache_nbytes(
-    of, *, batch: int = 1, positions: int | None = None, dtype=None
+    of, *, batch: IntLike = 1, positions: IntLike | None = None, dtype=None
 ) -> int:
     """Bytes of a cache, from the closed form
 
@@ -343,6 +344,8 @@ def cache_nbytes(
       cache counts its batch), and `batch` and `dtype` must be left at their defaults.
     - `batch`, `positions`, `dtype`: as above.
     """
+    batch = check_int(batch, "cache_nbytes: batch", minimum=1)
+    positions = check_int(positions, "cache_nbytes: positions", minimum=0, none=True)
     if isinstance(of, KVCache):
         if batch != 1 or dtype is not None:
             raise ValueError(

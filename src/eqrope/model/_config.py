@@ -10,6 +10,7 @@ from jax.typing import DTypeLike
 
 from ._attention_options import AttentionOptions
 from .._checks import check_bool, check_float, check_int
+from .._custom_types import IntLike, RealLike
 
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -54,15 +55,15 @@ class RopeScaling:
     """
 
     kind: Literal["linear", "llama3", "yarn", "dynamic"]
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
+    factor: RealLike
+    low_freq_factor: RealLike = 1.0
+    high_freq_factor: RealLike = 4.0
+    original_max_len: IntLike = 8192
+    beta_fast: RealLike = 32.0
+    beta_slow: RealLike = 1.0
+    attention_factor: RealLike | None = None
     truncate: bool = True
-    max_len: int | None = None
+    max_len: IntLike | None = None
 
     def __post_init__(self):
         if self.kind not in ROPE_KIND_FIELDS:
@@ -147,19 +148,19 @@ class DecoderConfig:
     a NaN) raises `TypeError` or `ValueError` naming the field.
     """
 
-    vocab_size: int
-    d_model: int
-    n_heads: int
-    n_blocks: int
-    max_len: int
-    d_ff: int | None = None
-    n_kv_heads: int | None = None
+    vocab_size: IntLike
+    d_model: IntLike
+    n_heads: IntLike
+    n_blocks: IntLike
+    max_len: IntLike
+    d_ff: IntLike | None = None
+    n_kv_heads: IntLike | None = None
     attention: AttentionOptions | None = None
-    rope_base: float = 10000.0
+    rope_base: RealLike = 10000.0
     rope_scaling: RopeScaling | None = None
     positions: Literal["rope", "learned"] = "rope"
     norm: Literal["rms", "layer"] = "rms"
-    norm_eps: float = 1e-5
+    norm_eps: RealLike = 1e-5
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     bias: bool = False
     head_bias: bool = True

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._checks import check_float, check_int
+from .._custom_types import IntLike, RealLike
 from ._config import RopeScaling
 
 
 def rope_inv_freq(
-    head_dim: int, base: float = 10000.0, scaling: RopeScaling | None = None
+    head_dim: IntLike, base: RealLike = 10000.0, scaling: RopeScaling | None = None
 ) -> Float[Array, " half"]:
     """The rotation rates `theta_i = base^(-2i/head_dim)`, `i = 0 .. head_dim/2 - 1`.
 
@@ -30,6 +32,8 @@ def rope_inv_freq(
         Language Models", Eqs. (17)-(21); `dynamic` is the NTK-aware base of bloc97 and
         emozilla, as transformers computes it.
     """
+    head_dim = check_int(head_dim, "rope_inv_freq: head_dim", minimum=2)
+    base = check_float(base, "rope_inv_freq: base")
     if head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}.")
     if scaling is not None and scaling.kind == "dynamic":
@@ -116,7 +120,7 @@ def apply_rope(
     x: Float[Array, "seq heads head_dim"],
     positions: Int[Array, " seq"],
     inv_freq: Float[Array, " half"],
-    scale: float = 1.0,
+    scale: RealLike = 1.0,
 ) -> Float[Array, "seq heads head_dim"]:
     """Rotate each pair `(x[2i], x[2i+1])` of every head by `positions * inv_freq[i]`.
 
@@ -138,6 +142,7 @@ def apply_rope(
         Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding",
         Eq. (15).
     """
+    scale = check_float(scale, "apply_rope: scale")
     if x.shape[-1] != 2 * inv_freq.shape[0]:
         raise ValueError(
             f"apply_rope: x has head_dim {x.shape[-1]} but inv_freq has "

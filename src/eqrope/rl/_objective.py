@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._checks import check_bool, check_choice, check_float, check_int
+from .._checks import as_scalar, check_bool, check_choice, check_float, check_int, is_real
+from .._custom_types import IntLike, RealLike
 
 
 AVERAGING = ("token", "sequence", "constant")
 
 
 def group_advantages(
-    rewards: Float[Array, "batch group"], *, scale: bool = True, eps: float = 1e-4
+    rewards: Float[Array, "batch group"], *, scale: bool = True, eps: RealLike = 1e-4
 ) -> Float[Array, "batch group"]:
     """Group-normalised advantages: each reward minus its group's mean, divided by the
     group's standard deviation (`scale=True`, GRPO) or not (`scale=False`, Dr. GRPO).
@@ -114,7 +115,7 @@ def grpo_objective(
     eps_low: Float[ArrayLike, ""],
     eps_high: Float[ArrayLike, ""],
     averaging: str,
-    max_new: int,
+    max_new: IntLike,
 ) -> Terms:
     """The GRPO loss (to minimise) over the sampled tokens (`mask`):
 
@@ -145,7 +146,7 @@ def grpo_objective(
     """
     averaging = check_choice(averaging, "averaging", AVERAGING)
     max_new = check_int(max_new, "max_new", minimum=1)
-    if ref_logprobs is None and not (isinstance(beta, (int, float)) and beta == 0):
+    if ref_logprobs is None and not (is_real(beta) and as_scalar(beta) == 0):
         raise ValueError("ref_logprobs=None leaves the KL term out; pass beta=0.0 with it.")
     keep = mask.astype(jnp.float32)
     a = advantages.astype(jnp.float32)[:, None]

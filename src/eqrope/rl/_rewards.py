@@ -11,6 +11,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import as_scalar, is_real
+
 
 @dataclasses.dataclass(frozen=True)
 class HostReward:
@@ -122,7 +124,8 @@ def host_rewards(reward: HostReward, tokens, prompt_lengths, ends) -> np.ndarray
 
 def _host_value(reward: HostReward, value, i: int, j: int):
     """One sample's host reward, checked before it is stored as a float32."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    value = as_scalar(value)  # a 0-d NumPy or JAX array (`jnp.mean(...)`): its number
+    if not is_real(value):
         raise TypeError(f"the host reward must return a number, got {value!r} for sample ({i}, {j}).")
     shown = repr(value) if len(repr(value)) <= 24 else f"an integer of {len(str(abs(value)))} digits"
     said = f"the host reward {_name(reward.fn)} returned {shown} for sample ({i}, {j})"

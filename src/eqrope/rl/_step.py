@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from .._log import compiling, shapes_of
 from .._checks import check_bool, check_choice, check_float, check_int
+from .._custom_types import IntLike, RealLike
 from ..generation._decode import decode_program
 from ..generation._generation_config import GenerationConfig, resolve
 from ..generation._hf_generation_config import refuse_hf_keywords
@@ -94,17 +95,17 @@ def make_grpo_step(
     optimizer: optax.GradientTransformation,
     reward: Callable | HostReward,
     *,
-    group_size: int,
-    max_new: int,
-    temperature: float = 1.0,
-    beta: float = 0.04,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
+    group_size: IntLike,
+    max_new: IntLike,
+    temperature: RealLike = 1.0,
+    beta: RealLike = 0.04,
+    clip_eps: RealLike = 0.2,
+    clip_eps_high: RealLike | None = None,
     scale_rewards: bool = True,
     averaging: str = "token",
-    updates: int = 1,
-    eos_id: int | Sequence[int] | None = None,
-    max_len: int | None = None,
+    updates: IntLike = 1,
+    eos_id: IntLike | Sequence[IntLike] | None = None,
+    max_len: IntLike | None = None,
     cache_dtype: str | None = None,
     **controls,
 ) -> "GRPOStep":

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from .._checks import check_int
+from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._generation_config import resolve
 from ..generation._hf_generation_config import refuse_hf_keywords
@@ -62,20 +63,20 @@ class Engine:
         self,
         model,
         *,
-        slots: int,
-        page_size: int = 16,
-        pages: int | None = None,
-        kv_memory: int | None = None,
-        max_len: int | None = None,
-        prefill_chunk: int = 64,
-        prefill_rows: int = 4,
-        decode_steps: int = 16,
-        decode_buckets: tuple[int, ...] | None = None,
-        max_waiting: int = 1024,
-        max_eos_ids: int = 8,
-        max_bad_ids: int = 64,
-        max_stop: int = 8,
-        max_stop_len: int = 8,
+        slots: IntLike,
+        page_size: IntLike = 16,
+        pages: IntLike | None = None,
+        kv_memory: IntLike | None = None,
+        max_len: IntLike | None = None,
+        prefill_chunk: IntLike = 64,
+        prefill_rows: IntLike = 4,
+        decode_steps: IntLike = 16,
+        decode_buckets: tuple[IntLike, ...] | list[IntLike] | None = None,
+        max_waiting: IntLike = 1024,
+        max_eos_ids: IntLike = 8,
+        max_bad_ids: IntLike = 64,
+        max_stop: IntLike = 8,
+        max_stop_len: IntLike = 8,
         check_finite: bool = True,
     ):
         if not hasattr(model, "unstacked") or not hasattr(model, "config"):
@@ -115,7 +116,7 @@ class Engine:
         self.scheduler = Scheduler(PagePool(pages, self.page_size), self.slots, self.prefill_chunk, self.max_waiting)
         self.prefill_sizes = _powers(min(16, self.prefill_chunk), self.prefill_chunk)
         self.prefill_buckets = _powers(1, self.prefill_rows)
-        self.decode_buckets = tuple(sorted(decode_buckets or _powers(1, self.slots)))
+        self.decode_buckets = tuple(sorted(check_int(b, "decode_buckets[i]") for b in decode_buckets or _powers(1, self.slots)))
         if self.decode_buckets[-1] != self.slots or self.decode_buckets[0] < 1:
             raise ValueError(f"decode_buckets={decode_buckets} must be slot counts in [1, slots={slots}], slots among them.")
         self._idle = idle_sampling(self.vocab, self.caps)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from .._checks import as_int_array, check_int, check_key
+from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._request import sampling_of
 from ..generation._sampling import Sampling
@@ -25,14 +26,15 @@ class Capacities:
     """The most ids one request may carry: EOS ids, banned ids, stop sequences and the
     tokens of the longest one. They are shapes of the compiled programs."""
 
-    eos_ids: int = 8
-    bad_ids: int = 64
-    stop: int = 8
-    stop_len: int = 8
+    eos_ids: IntLike = 8
+    bad_ids: IntLike = 64
+    stop: IntLike = 8
+    stop_len: IntLike = 8
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            check_int(getattr(self, field.name), f"max_{field.name}", minimum=1)
+            value = check_int(getattr(self, field.name), f"max_{field.name}", minimum=1)
+            object.__setattr__(self, field.name, value)
 
 
 def request_sampling(config: GenerationConfig, vocab: int, caps: Capacities) -> Sampling:

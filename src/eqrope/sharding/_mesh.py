@@ -5,12 +5,13 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .._checks import check_int
+from .._custom_types import IntLike
 
 
 MeshAxes = str | tuple[str, ...] | None
 
 
-def make_mesh(data: int | None = None, model: int = 1, *, devices=None) -> Mesh:
+def make_mesh(data: IntLike | None = None, model: IntLike = 1, *, devices=None) -> Mesh:
     """A `(data, model)` mesh with automatic (compiler-chosen) sharding of intermediates.
 
     **Arguments:**

@@ -6,6 +6,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from .._checks import check_bool
+from .._custom_types import IntLike
 from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
 from ..generation._hf_generation_config import refuse_hf_keywords
@@ -25,31 +26,31 @@ _OWN = ("eos_id", "prompt_lengths", "return_logprobs", "on_token")
 # The types an editor sees: a text per prompt, a list of texts per prompt with num_samples.
 @overload
 def generate_text(
-    model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
+    model, tokenizer: Tokenizer, prompt: str, max_new: IntLike | _FromConfig = ..., *,
     stream: bool | Callable[[int, str], object] = ..., num_samples: None = ...,
     return_details: Literal[False] = ..., **settings: Any,
 ) -> str: ...
 @overload
 def generate_text(
-    model, tokenizer: Tokenizer, prompt: str, max_new: int | _FromConfig = ..., *,
+    model, tokenizer: Tokenizer, prompt: str, max_new: IntLike | _FromConfig = ..., *,
     stream: bool | Callable[[int, str], object] = ..., num_samples: int,
     return_details: Literal[False] = ..., **settings: Any,
 ) -> list[str]: ...
 @overload
 def generate_text(
-    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
+    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: IntLike | _FromConfig = ...,
     *, stream: bool | Callable[[int, str], object] = ..., num_samples: None = ...,
     return_details: Literal[False] = ..., **settings: Any,
 ) -> list[str]: ...
 @overload
 def generate_text(
-    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: int | _FromConfig = ...,
+    model, tokenizer: Tokenizer, prompt: list[str] | tuple[str, ...], max_new: IntLike | _FromConfig = ...,
     *, stream: bool | Callable[[int, str], object] = ..., num_samples: int,
     return_details: Literal[False] = ..., **settings: Any,
 ) -> list[list[str]]: ...
 @overload
 def generate_text(
-    model, tokenizer: Tokenizer, prompt: str | Sequence[str], max_new: int | _FromConfig = ...,
+    model, tokenizer: Tokenizer, prompt: str | Sequence[str], max_new: IntLike | _FromConfig = ...,
     *, stream: bool | Callable[[int, str], object] = ..., return_details: bool = ..., **settings: Any,
 ) -> _Result: ...
 
@@ -58,7 +59,7 @@ def generate_text(
     model,
     tokenizer,  # an eqrope.Tokenizer, checked by `_check_tokenizer` with a message that says the fix
     prompt,  # a string or a list of them, checked by `_prompts`
-    max_new: int | _FromConfig = FROM_CONFIG,
+    max_new: IntLike | _FromConfig = FROM_CONFIG,
     *,
     stream: bool | Callable[[int, str], object] = False,
     return_details=False,  # a bool, checked with a message that names it

@@ -22,7 +22,8 @@ import numpy as np
 import tokenizers
 from jaxtyping import Int32
 
-from .._checks import check_bool, check_path, not_local
+from .._checks import check_bool, check_int, check_path, not_local
+from .._custom_types import IntLike
 from .._json import checked, read_json
 from ..generation._hf_generation_config import eos_ids_of
 from ._token_bytes import token_bytes
@@ -58,8 +59,8 @@ class Tokenizer:
         self,
         tokenizer: tokenizers.Tokenizer,
         *,
-        eos_ids: tuple[int, ...] = (),
-        pad_id: int | None = None,
+        eos_ids: Sequence[IntLike] = (),
+        pad_id: IntLike | None = None,
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
         clean_up_spaces: bool = False,
@@ -67,8 +68,10 @@ class Tokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self.tokenizer = tokenizer
-        self.eos_ids = tuple(int(i) for i in eos_ids)
-        self.pad_id = None if pad_id is None else int(pad_id)
+        if isinstance(eos_ids, str) or not hasattr(eos_ids, "__iter__"):
+            raise TypeError(f"Tokenizer: eos_ids must be a sequence of token ids, like (2,), got {eos_ids!r}.")
+        self.eos_ids = tuple(check_int(i, f"Tokenizer: eos_ids[{k}]", minimum=0) for k, i in enumerate(eos_ids))
+        self.pad_id = check_int(pad_id, "Tokenizer: pad_id", minimum=0, none=True)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
         self.clean_up_spaces = bool(clean_up_spaces)

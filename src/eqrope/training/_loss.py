@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from .._checks import as_int_array, check_int, check_vocab
+from .._custom_types import IntLike
 
 
 def cross_entropy(
@@ -13,7 +14,7 @@ def cross_entropy(
     targets: Int[Array, "batch seq"],
     mask: Bool[Array, "batch seq"] | None = None,
     *,
-    ignore_id: int | None = -100,
+    ignore_id: IntLike | None = -100,
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of `model` over the kept positions.
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from ._checkpoint import compare_to_skeleton, fill, skeleton
 from .._checks import check_int, check_path, not_local
+from .._custom_types import IntLike
 from ..model._config import _DTYPES, DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
@@ -31,7 +32,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def from_hf(
-    path: str | os.PathLike, *, dtype=None, max_len: int | None = None, layout: str = "stacked"
+    path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None, layout: str = "stacked"
 ) -> RotaryDecoder:
     """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
 
@@ -137,7 +138,7 @@ def from_hf(
     return fill(expected, arrays)
 
 
-def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: int | None = None) -> RotaryDecoder:
+def from_hf_llama(path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None) -> RotaryDecoder:
     """The former name of [`eqrope.from_hf`][], which now reads every supported family;
     kept as an alias."""
     return from_hf(path, dtype=dtype, max_len=max_len)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ..._checks import check_int
+from ..._custom_types import IntLike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +37,12 @@ class PromptLookup:
     with the target's probability of `x`.
     """
 
-    max_ngram: int = 4
-    min_ngram: int = 1
+    max_ngram: IntLike = 4
+    min_ngram: IntLike = 1
 
     def __post_init__(self):
-        check_int(self.max_ngram, "max_ngram", minimum=1)
-        check_int(self.min_ngram, "min_ngram", minimum=1)
+        for name in ("max_ngram", "min_ngram"):
+            object.__setattr__(self, name, check_int(getattr(self, name), name, minimum=1))
         if self.min_ngram > self.max_ngram:
             raise ValueError(
                 f"PromptLookup(min_ngram={self.min_ngram}, max_ngram={self.max_ngram}): "

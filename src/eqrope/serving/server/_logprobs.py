@@ -22,6 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..._checks import as_int_array, check_int, check_vocab, is_concrete
+from ..._custom_types import IntLike
 from ..._log import compiling
 from ...eval._buckets import bucket
 from ...eval._plain import _logits
@@ -44,7 +45,7 @@ class TokenLogprobs:
     top_logprobs: Float[np.ndarray, "scored k"]
 
 
-def token_logprobs(model, ids, start: int, k: int, *, max_k: int) -> TokenLogprobs:
+def token_logprobs(model, ids, start: IntLike, k: IntLike, *, max_k: IntLike) -> TokenLogprobs:
     """Each token's log-probability under `model` from position `start` on, and the `k`
     most likely tokens at each of those positions.
 

@@ -6,6 +6,7 @@ import hmac
 import time
 
 from ..._checks import check_int
+from ..._custom_types import IntLike
 from .._engine import Engine
 from ._errors import APIError, bad_field, overloaded
 from ._metrics import Metrics
@@ -30,8 +31,8 @@ class Server:
     """
 
     def __init__(
-        self, model, tokenizer, *, name: str, source: str = "", slots: int = 8, max_len: int | None = None,
-        page_size: int = 16, prefill_chunk: int = 64, decode_steps: int = 16, max_waiting: int = 64,
+        self, model, tokenizer, *, name: str, source: str = "", slots: IntLike = 8, max_len: IntLike | None = None,
+        page_size: IntLike = 16, prefill_chunk: IntLike = 64, decode_steps: IntLike = 16, max_waiting: IntLike = 64,
         api_key: str | None = None, defaults: dict | None = None, warmup: bool = True,
     ):  # fmt: skip
         if tokenizer.vocab_size > model.config.vocab_size:
@@ -44,6 +45,8 @@ class Server:
         self.created = int(time.time())
         self.defaults = dict(defaults or {})
         max_len = model.config.max_len if max_len is None else check_int(max_len, "max_len", minimum=1)
+        slots = check_int(slots, "slots", minimum=1)
+        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
         self.capacity = slots + check_int(max_waiting, "max_waiting", minimum=0)
         engine_args = dict(
             slots=slots, max_len=max_len, page_size=page_size, prefill_chunk=min(prefill_chunk, max_len),

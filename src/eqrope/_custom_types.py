@@ -1,0 +1,16 @@
+"""Named type aliases of eqrope's signatures, in one place (as Lineax and Diffrax keep theirs).
+
+- `IntLike`: what an integer argument takes: a Python or NumPy integer, or a 0-d integer
+  array (NumPy, or JAX outside a trace). Its check, `_checks.check_int`, refuses a bool
+  and returns a Python `int`.
+- `RealLike`: what a real-number argument takes: the same, and floats
+  (`_checks.check_float` returns a Python `float`).
+"""
+
+import jax
+import numpy as np
+from jaxtyping import Int, Real
+
+
+IntLike = int | np.integer | Int[np.ndarray, ""] | Int[jax.Array, ""]
+RealLike = float | int | np.integer | np.floating | Real[np.ndarray, ""] | Real[jax.Array, ""]
