@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from ._block import DecoderBlock
 from ._block_cache import CacheView
 from ._cache import DEFAULT_CHUNK, KVCache, NewRows
-from .._checks import as_int_array, check_span, check_vocab, on_device
+from .._checks import as_int_array, check_span, check_vocab, is_concrete, on_device
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
 from ._layouts import check_layout, decode_in_place, scan_blocks, unroll_blocks
@@ -146,6 +146,17 @@ class RotaryDecoder(eqx.Module):
     @property
     def max_len(self) -> int:
         return self.config.max_len
+
+    def __getattr__(self, name: str):
+        # Reached only when the ordinary lookup fails: `model.generate(ids, 5)`, as in transformers.
+        if name in ("generate", "generate_text"):
+            raise AttributeError(
+                f"RotaryDecoder has no method {name!r}: eqrope's generation is a function that "
+                "takes the model. Call eqrope.generate(model, ids, 5) with token ids, or "
+                "eqrope.generate_text(model, tokenizer, 'Some text', 5) with text.",
+                name=name, obj=self,
+            )  # fmt: skip
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     @property
     def fixed_rows(self) -> int | None:
@@ -301,6 +312,10 @@ class RotaryDecoder(eqx.Module):
         else:
             ids = on_device(as_int_array(ids, "ids", ndim=1))
             pos = jnp.asarray(pos).astype(jnp.int32)
+        if all(map(is_concrete, jax.tree.leaves((self, ids, cache, pos, kv_bound, kv_low, logits_at)))):
+            # Called outside any transformation: one compiled program per shape, with `pos`
+            # an array by now, so a loop over Python int positions compiles once.
+            return _prefill_compiled(self, ids, cache, pos, kv_bound, kv_low, logits_at)
         positions = pos + jnp.arange(ids.shape[0], dtype=jnp.int32)
         if cache.per_block and not cache.quantized:
             x = self._embed(ids, positions)
@@ -326,10 +341,16 @@ class RotaryDecoder(eqx.Module):
 
         `check`, `kv_bound` and `kv_low` are as for `prefill`.
 
+        Called outside any `jit` (the seed's `for t in range(n)` loop), `step` and
+        `prefill` run as one compiled program per shape, with `pos` made an array first,
+        so a Python int position compiles nothing new. In a function you compile yourself,
+        pass `pos` as an array (`jnp.asarray(t, jnp.int32)`): `jax.jit` and
+        `eqx.filter_jit` take a Python int argument as a constant, one program per value.
+
         **Returns:** `(logits, cache)`, the logits for the next position.
         """
         hint = " Pass one token id; for a batch use jax.vmap."
-        token = on_device(as_int_array(token, "token", ndim=0, hint=hint))
+        token = as_int_array(token, "token", ndim=0, hint=hint)
         logits, cache = self.prefill(
             token[None], cache, pos, check=check, kv_bound=kv_bound, kv_low=kv_low
         )
@@ -352,3 +373,10 @@ class RotaryDecoder(eqx.Module):
                 "shorten the sequence or build the model with a larger max_len."
             )
         return on_device(check_vocab(ids, self.config.vocab_size, name))
+
+
+@eqx.filter_jit
+def _prefill_compiled(model, ids, cache, pos, kv_bound, kv_low, logits_at):
+    """`model.prefill` (checked already) as one program: what an eager `prefill` or
+    `step` runs. Eagerly, a stacked model's scan over blocks would compile at every call."""
+    return model.prefill(ids, cache, pos, check=False, kv_bound=kv_bound, kv_low=kv_low, logits_at=logits_at)
