@@ -172,9 +172,6 @@ def test_model_config_takes_numpy_numbers(form):
     assert type(config.attention.window) is int and type(config.rope_scaling.factor) is float
 
 
-# Pending: src/eqrope/model/_decoder.py (another helper's file this round) builds its
-# arrays from the raw sizes, not the config's ints, and annotates them `int`.
-@pytest.mark.xfail(strict=True, reason="RotaryDecoder and init_cache take plain ints (_decoder.py)")
 def test_the_decoder_takes_numpy_sizes(model, form):
     built = eqrope.RotaryDecoder(form(8), form(16), form(2), form(1), form(16), key=jax.random.key(0))
     assert built.config == eqrope.RotaryDecoder(8, 16, 2, 1, 16, key=jax.random.key(0)).config

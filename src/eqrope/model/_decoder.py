@@ -11,6 +11,7 @@ from ._block import DecoderBlock
 from ._block_cache import CacheView
 from ._cache import DEFAULT_CHUNK, KVCache, NewRows
 from .._checks import as_int_array, check_span, check_vocab, is_concrete, on_device
+from .._custom_types import IntLike
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
 from ._layouts import check_layout, decode_in_place, scan_blocks, unroll_blocks
@@ -64,11 +65,11 @@ class RotaryDecoder(eqx.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        n_blocks: int,
-        max_len: int,
+        vocab_size: IntLike,
+        d_model: IntLike,
+        n_heads: IntLike,
+        n_blocks: IntLike,
+        max_len: IntLike,
         *,
         key: PRNGKeyArray,
         **options,
@@ -86,6 +87,7 @@ class RotaryDecoder(eqx.Module):
                 f"DecoderConfig: {', '.join(_OPTIONS)}."
             )
         config = DecoderConfig(vocab_size, d_model, n_heads, n_blocks, max_len, **options)
+        vocab_size, d_model, n_blocks, max_len = config.vocab_size, config.d_model, config.n_blocks, config.max_len
         embed_key, pos_key, blocks_key, head_key = jax.random.split(key, 4)
         dt = config.jnp_dtype
         self.config = config
@@ -231,11 +233,11 @@ class RotaryDecoder(eqx.Module):
 
     def init_cache(
         self,
-        batch: int | None = None,
+        batch: IntLike | None = None,
         *,
-        max_len: int | None = None,
+        max_len: IntLike | None = None,
         dtype=None,
-        chunk: int = DEFAULT_CHUNK,
+        chunk: IntLike = DEFAULT_CHUNK,
     ) -> KVCache:
         """An empty cache (with a leading `batch` axis if given).
 
