@@ -24,7 +24,7 @@ from ._runner import Runner
 from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
 from ._settings import (
-    Capacities, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys, stack_rows,
+    Capacities, check_buckets, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys, stack_rows,
 )  # fmt: skip
 
 
@@ -116,9 +116,7 @@ class Engine:
         self.scheduler = Scheduler(PagePool(pages, self.page_size), self.slots, self.prefill_chunk, self.max_waiting)
         self.prefill_sizes = _powers(min(16, self.prefill_chunk), self.prefill_chunk)
         self.prefill_buckets = _powers(1, self.prefill_rows)
-        self.decode_buckets = tuple(sorted(check_int(b, "decode_buckets[i]") for b in decode_buckets or _powers(1, self.slots)))
-        if self.decode_buckets[-1] != self.slots or self.decode_buckets[0] < 1:
-            raise ValueError(f"decode_buckets={decode_buckets} must be slot counts in [1, slots={slots}], slots among them.")
+        self.decode_buckets = check_buckets(decode_buckets, self.slots)
         self._idle = idle_sampling(self.vocab, self.caps)
         self._sampling = [self._idle] * self.slots
         self._keys = np.zeros((self.slots, 2), np.uint32)

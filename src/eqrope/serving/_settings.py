@@ -119,6 +119,15 @@ def check_prompt(prompt, vocab: int, max_len: int, max_new: int, name: str = "pr
     return np.asarray(ids, np.int32)
 
 
+def check_buckets(buckets, slots: int) -> tuple[int, ...]:
+    """The engine's decode slot counts, sorted (default: powers of two up to `slots`);
+    each in `[1, slots]`, and `slots` among them."""
+    out = tuple(sorted(check_int(b, f"decode_buckets[{i}]") for i, b in enumerate(buckets or powers(1, slots))))
+    if out[-1] != slots or out[0] < 1:
+        raise ValueError(f"decode_buckets={buckets} must be slot counts in [1, slots={slots}], slots among them.")
+    return out
+
+
 def powers(low: int, high: int) -> tuple[int, ...]:
     """`low, 2 low, 4 low, ...` below `high`, then `high`."""
     sizes = [low * 2**k for k in range(max(0, math.ceil(math.log2(high / low))))]
