@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
@@ -145,11 +146,19 @@ def ends_with_text(
 
 
 def host_ends_with_text(text: Sequence[int], table: TextStops) -> bool:
-    """`ends_with_text` for a Python list: the uncached reference path's check."""
-    if not bool(text_stops_on(table)):
+    """`ends_with_text` for a Python list: the uncached reference path's check, and the
+    engine's finish reason. Only the last `width` tokens can take part in a match: they
+    run in one compiled program per table shape, whatever the text's length."""
+    width = np.shape(table.at)[-1]
+    if not np.any(np.asarray(table.target) <= width):  # no stop string: no device work
         return False
-    tokens = np.asarray(text, np.int32)
-    return bool(ends_with_text(jnp.asarray(tokens), jnp.asarray(len(text) - 1, jnp.int32), table))
+    last = np.asarray(text[-width:], np.int32)
+    window = np.zeros((width,), np.int32)
+    window[: len(last)] = last
+    return bool(_ends_with_text(window, np.int32(len(last) - 1), table))
+
+
+_ends_with_text = jax.jit(ends_with_text)
 
 
 def text_stops_on(table: TextStops) -> Bool[Array, "*rows"]:
@@ -195,38 +204,44 @@ class StopStrings:
             raise ValueError("StopStrings: strings is empty; pass at least one string, or no stop at all.")
         self.strings = strings
         self.tokenizer = tokenizer
-        spelled = tokenizer.token_bytes()
-        self.vocab_size = len(spelled)
-        try:  # the tables of a tokenizer's latest strings, kept while it lives
-            tables = _TABLES.setdefault(tokenizer, {})
-        except TypeError:  # not weakly referenceable: no cache
-            tables = {}
-        if strings not in tables:
-            table = text_stops(spelled, [s.encode() for s in strings])
-            _check_spelled(table, strings)
-            if len(tables) >= _KEPT:
-                del tables[next(iter(tables))]
-            tables[strings] = table
-        self.table = tables[strings]
+        self.vocab_size = len(tokenizer.token_bytes())
+        self.table = _kept_table(tokenizer, strings, MIN_SHAPE)
 
     def __repr__(self) -> str:
         return f"StopStrings({list(self.strings)!r})"
 
 
-def text_table(stop) -> TextStops:
+def text_table(stop, floor: tuple[int, int, int] = MIN_SHAPE) -> TextStops:
     """The `TextStops` of the `StopStrings` entries of a checked `stop` list: one table for
-    all of them (they must share a tokenizer), or `NO_TEXT_STOPS` without any."""
+    all of them (they must share a tokenizer), or an empty one without any; each size at
+    least `floor` (the engine's slots hold one fixed shape)."""
     given = [s for s in stop or () if isinstance(s, StopStrings)]
     if not given:
-        return NO_TEXT_STOPS
-    if len(given) == 1:
+        return NO_TEXT_STOPS if floor == MIN_SHAPE else text_stops([], [], floor)
+    if len(given) == 1 and floor == MIN_SHAPE:
         return given[0].table
     if any(s.tokenizer is not given[0].tokenizer for s in given):
         raise ValueError(
             "stop holds StopStrings of different tokenizers; build them all with the model's "
             "tokenizer (or one StopStrings with every string)."
         )
-    return StopStrings(given[0].tokenizer, [t for s in given for t in s.strings]).table
+    return _kept_table(given[0].tokenizer, tuple(t for s in given for t in s.strings), floor)
+
+
+def _kept_table(tokenizer, strings: tuple[str, ...], floor: tuple[int, int, int]) -> TextStops:
+    """The checked table of `strings` over `tokenizer`, kept with the tokenizer's latest
+    tables (building one reads every token of the vocabulary)."""
+    try:  # the tables of a tokenizer's latest strings, kept while it lives
+        tables = _TABLES.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: no cache
+        tables = {}
+    if (strings, floor) not in tables:
+        table = text_stops(tokenizer.token_bytes(), [s.encode() for s in strings], floor)
+        _check_spelled(table, strings)
+        if len(tables) >= _KEPT:
+            del tables[next(iter(tables))]
+        tables[strings, floor] = table
+    return tables[strings, floor]
 
 
 def _check_spelled(table: TextStops, strings: tuple[str, ...]) -> None:
