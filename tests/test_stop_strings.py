@@ -256,7 +256,7 @@ def test_refused_with_the_fix(tok, model):
     with pytest.raises(ValueError, match=r"stop\[0\] is a StopStrings over a tokenizer of \d+ token ids"):
         eqrope.generate(small, np.asarray([1, 2]), 3, stop=[eqrope.StopStrings(tok, ["a"])])
     engine = eqrope.Engine(model, slots=1, max_len=64, page_size=8)
-    with pytest.raises(ValueError, match="engine matches token-id stop sequences"):
+    with pytest.raises(ValueError, match="built without stop strings; build the Engine with max_stop_strings=1"):
         engine.submit(np.asarray(tok.encode(PROMPT)), eqrope.GenerationConfig(max_new=4, stop=[eqrope.StopStrings(tok, ["a"])]))
 
 

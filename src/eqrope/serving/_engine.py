@@ -7,7 +7,6 @@ of decode steps over the running slots, and report what each sample added. Finis
 samples free their slot and pages between chunks, and the next waiting request takes them.
 """
 
-import dataclasses
 import itertools
 
 import jax
@@ -16,15 +15,14 @@ import numpy as np
 from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
-from ..generation._generation_config import resolve
-from ..generation._hf_generation_config import refuse_hf_keywords
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
 from ._runner import Runner
 from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
 from ._settings import (
-    Capacities, check_buckets, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys, stack_rows,
+    Capacities, check_buckets, idle_sampling, powers as _powers, request_config, request_sampling, sample_keys,
+    stack_rows,
 )  # fmt: skip
 
 
@@ -55,6 +53,10 @@ class Engine:
     - `max_waiting`: the most requests waiting for admission; `submit` refuses more.
     - `max_eos_ids`, `max_bad_ids`, `max_stop`, `max_stop_len`: the most ids one request
       may carry (shapes of the programs).
+    - `max_stop_strings`, `max_stop_string_bytes`, `max_stop_string_tokens`: the most
+      stop strings ([`eqrope.StopStrings`][]) one request may carry, the bytes of the
+      longest, and the token ids that can take part in a match; 0 stop strings (the
+      default) refuses them and costs nothing (docs/serving.md).
     - `check_finite`: stop a sample whose logits hold a NaN or an infinity
       (`finish_reason` `"nonfinite"`).
     """
@@ -77,6 +79,9 @@ class Engine:
         max_bad_ids: IntLike = 64,
         max_stop: IntLike = 8,
         max_stop_len: IntLike = 8,
+        max_stop_strings: IntLike = 0,
+        max_stop_string_bytes: IntLike = 16,
+        max_stop_string_tokens: IntLike = 256,
         check_finite: bool = True,
     ):
         if not hasattr(model, "unstacked") or not hasattr(model, "config"):
@@ -99,7 +104,10 @@ class Engine:
         self.decode_steps = check_int(decode_steps, "decode_steps", minimum=1)
         self.max_waiting = check_int(max_waiting, "max_waiting", minimum=1)
         self.check_finite = np.bool_(check_finite)
-        self.caps = Capacities(max_eos_ids, max_bad_ids, max_stop, max_stop_len)
+        self.caps = Capacities(
+            max_eos_ids, max_bad_ids, max_stop, max_stop_len, max_stop_strings, max_stop_string_bytes,
+            max_stop_string_tokens,
+        )  # fmt: skip
         self.max_pages = self.max_len // self.page_size
         if pages is None:
             pages = (
@@ -142,18 +150,7 @@ class Engine:
         larger than the whole pool; by a `TypeError` an unknown setting; and by a
         `RuntimeError` a full waiting queue (nothing is dropped: the caller keeps it).
         """
-        refuse_hf_keywords(settings, "Engine.submit")
-        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(GenerationConfig)})
-        if unknown:
-            raise TypeError(
-                f"Engine.submit got unknown settings {unknown}; the settings are "
-                "GenerationConfig's fields (docs/generation.md)."
-            )
-        config = resolve(config, settings)
-        if config.max_new is None:  # from max_total, once the prompt's length is known
-            length = len(check_prompt(prompt, self.vocab, self.max_len, 0))
-            config = resolve(config, {"max_new": config.new_tokens(length, "Engine.submit")})
-        prompt = check_prompt(prompt, self.vocab, self.max_len, config.max_new)
+        prompt, config = request_config(prompt, config, settings, self.vocab, self.max_len)
         sampling = request_sampling(config, self.vocab, self.caps)
         samples = config.num_samples
         if (samples or 1) > self.slots:

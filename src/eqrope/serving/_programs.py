@@ -10,8 +10,9 @@
 - `copy_program`: pages copied within the pool (a sample's own partial prompt page).
 
 Every setting is a traced array, so a new mix of requests compiles nothing; the shapes
-are the slot count, the pool, the cache length, the capacities of the id lists, the
-prefill piece sizes and the decode buckets, all fixed when the engine is built.
+are the slot count, the pool, the cache length, the capacities of the id lists and of
+the stop-string tables, the prefill piece sizes and the decode buckets, all fixed when
+the engine is built.
 """
 
 import dataclasses

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..generation import GenerationConfig
 from ..generation._sampling import Sampling
+from ..generation._stop_strings import host_ends_with_text
 from ..generation._stopping import host_ends_with_stop
 
 
@@ -24,7 +25,7 @@ class Completion:
     """One sample's result.
 
     - `tokens`: the new tokens only, int32, up to and including an EOS id or the last
-      token of a stop sequence.
+      token of a stop sequence or a stop string.
     - `logprobs`: each token's log-probability under the distribution it was drawn from,
       after every processor (as `generate(..., return_logprobs=True).logprobs`), float32.
     - `finish_reason`: `"length"` (`max_new` tokens), `"eos"`, `"stop"`, `"cancelled"`, or
@@ -157,8 +158,8 @@ class Sequence:
 
 def finish_reason(sequence: Sequence, nonfinite: bool) -> str:
     """Why a sample the device marked done ended, read from its text as the device's
-    `commit` decided it: an EOS id or a stop sequence once `min_new` tokens came before
-    the last one, else its length (`max_new` or the cache)."""
+    `commit` decided it: an EOS id, a stop sequence or a stop string once `min_new`
+    tokens came before the last one, else its length (`max_new` or the cache)."""
     if nonfinite:
         return "nonfinite"
     request, tokens = sequence.request, sequence.tokens
@@ -169,6 +170,6 @@ def finish_reason(sequence: Sequence, nonfinite: bool) -> str:
     if may_end and tokens[-1] in set(np.asarray(sampling.eos).tolist()) - {-1}:
         return "eos"
     text = [*request.prompt.tolist(), *tokens]
-    if may_end and host_ends_with_stop(text, sampling.stop):
+    if may_end and (host_ends_with_stop(text, sampling.stop) or host_ends_with_text(text, sampling.stop_text)):
         return "stop"
     return "length"

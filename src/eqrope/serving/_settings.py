@@ -2,8 +2,8 @@
 
 The checks are `generate`'s own (`GenerationConfig`, `eqrope.generation._request.sampling_of`):
 a setting means the same in both. The engine adds the capacities, the sizes of the
-per-request id lists that the compiled programs hold; a request past one is refused with
-the engine argument that raises it.
+per-request id lists and stop-string tables that the compiled programs hold; a request
+past one is refused with the engine argument that raises it.
 """
 
 import dataclasses
@@ -15,45 +15,68 @@ import numpy as np
 from .._checks import as_int_array, check_int, check_key
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
+from ..generation._generation_config import resolve
+from ..generation._hf_generation_config import refuse_hf_keywords
 from ..generation._request import sampling_of
 from ..generation._sampling import Sampling
-from ..generation._stop_strings import NO_TEXT_STOPS_TINY, StopStrings
+from ..generation._stop_strings import NO_TEXT_STOPS_TINY, StopStrings, text_table
 from ..generation._stopping import ANY, NONE
 
 
 @dataclasses.dataclass(frozen=True)
 class Capacities:
     """The most ids one request may carry: EOS ids, banned ids, stop sequences and the
-    tokens of the longest one. They are shapes of the compiled programs."""
+    tokens of the longest one; and its stop strings, the bytes of the longest one and the
+    tokens that can take part in a match (0 stop strings: none, at no cost). They are
+    shapes of the compiled programs."""
 
     eos_ids: IntLike = 8
     bad_ids: IntLike = 64
     stop: IntLike = 8
     stop_len: IntLike = 8
+    stop_strings: IntLike = 0
+    stop_string_bytes: IntLike = 16
+    stop_string_tokens: IntLike = 256
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = check_int(getattr(self, field.name), f"max_{field.name}", minimum=1)
+            minimum = 0 if field.name == "stop_strings" else 1
+            value = check_int(getattr(self, field.name), f"max_{field.name}", minimum=minimum)
             object.__setattr__(self, field.name, value)
+
+    @property
+    def text_shape(self) -> tuple[int, int, int]:
+        """The `(tokens, strings, bytes)` of every slot's stop-string table: the
+        capacities in powers of two, as `text_stops` sizes a table."""
+        sizes = (self.stop_string_tokens, self.stop_strings, self.stop_string_bytes)
+        return tuple(1 << (max(n, 1) - 1).bit_length() for n in sizes)
 
 
 def request_sampling(config: GenerationConfig, vocab: int, caps: Capacities) -> Sampling:
     """The checked `Sampling` of one request, its id lists padded to `caps` (NumPy)."""
-    if any(isinstance(s, StopStrings) for s in config.stop or ()):
+    if not caps.stop_strings and any(isinstance(s, StopStrings) for s in config.stop or ()):
         raise ValueError(
-            "stop holds an eqrope.StopStrings; the engine matches token-id stop sequences. "
-            "Match strings on the text as the server does (serving.server's TextStream, then "
-            "Engine.cancel), or pass token-id sequences."
+            "stop holds an eqrope.StopStrings, but the engine was built without stop strings; "
+            "build the Engine with max_stop_strings=1 or more (docs/serving.md), or match "
+            "strings on the text as the server does (TextStream, then Engine.cancel)."
         )
     sampling, eos_ids = sampling_of(config, vocab)
     bad = [int(i) for i in np.asarray(sampling.bad) if i >= 0]
-    stop = [list(s) for s in (config.stop or ())]
+    stop = [list(s) for s in (config.stop or ()) if not isinstance(s, StopStrings)]
+    text = text_table(config.stop, caps.text_shape) if caps.stop_strings else NO_TEXT_STOPS_TINY
+    spelled = np.asarray(text.target)[np.asarray(text.target) <= np.shape(text.at)[-1]]
     sizes = (
         ("eos_id", len(eos_ids), caps.eos_ids, "max_eos_ids", "EOS ids"),
         ("bad_ids", len(bad), caps.bad_ids, "max_bad_ids", "ids"),
         ("stop", len(stop), caps.stop, "max_stop", "sequences"),
         ("stop", max(map(len, stop), default=0), caps.stop_len, "max_stop_len", "tokens in a sequence"),
-    )
+        ("stop", len(spelled), caps.stop_strings, "max_stop_strings", "stop strings"),
+        ("stop", max(spelled, default=0), caps.stop_string_bytes, "max_stop_string_bytes", "bytes in a stop string"),
+        (
+            "stop", int(np.sum(np.asarray(text.length) > 0)), caps.stop_string_tokens,
+            "max_stop_string_tokens", "token ids that can take part in a stop string's match",
+        ),
+    )  # fmt: skip
     for name, size, cap, argument, what in sizes:
         if size > cap:
             raise ValueError(
@@ -64,7 +87,7 @@ def request_sampling(config: GenerationConfig, vocab: int, caps: Capacities) -> 
         eos=_padded(eos_ids, caps.eos_ids),
         bad=_padded(bad, caps.bad_ids),
         stop=stop_rows(stop, caps.stop, caps.stop_len),
-        stop_text=NO_TEXT_STOPS_TINY,
+        stop_text=text,
     )
 
 
@@ -100,6 +123,23 @@ def sample_keys(key, samples: int | None) -> list[np.ndarray]:
     key = check_key(key)
     keys = [key] if samples is None else list(jax.random.split(key, samples))
     return [np.asarray(jax.random.key_data(k), np.uint32) for k in keys]
+
+
+def request_config(prompt, config, settings: dict, vocab: int, max_len: int) -> tuple[np.ndarray, GenerationConfig]:
+    """`Engine.submit`'s checked prompt and settings: `config` with `settings` (its fields
+    as keywords) over it, `max_new` from `max_total` once the prompt's length is known."""
+    refuse_hf_keywords(settings, "Engine.submit")
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(GenerationConfig)})
+    if unknown:
+        raise TypeError(
+            f"Engine.submit got unknown settings {unknown}; the settings are "
+            "GenerationConfig's fields (docs/generation.md)."
+        )
+    config = resolve(config, settings)
+    if config.max_new is None:
+        length = len(check_prompt(prompt, vocab, max_len, 0))
+        config = resolve(config, {"max_new": config.new_tokens(length, "Engine.submit")})
+    return check_prompt(prompt, vocab, max_len, config.max_new), config
 
 
 def check_prompt(prompt, vocab: int, max_len: int, max_new: int, name: str = "prompt") -> np.ndarray:
