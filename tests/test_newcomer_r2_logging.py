@@ -40,7 +40,7 @@ def test_enable_logging_shows_eqropes_lines_alone():
     lines = stderr_lines("eqrope.enable_logging()")
     assert lines == [
         "eqrope.generation: compiling generate: batch 1, cache length 16 (a new batch, cache "
-        "length or num_samples compiles once; later calls reuse it)"
+        "length, num_samples or static setting compiles once; later calls reuse it)"
     ]
     # basicConfig, the recipe it replaces, shows the same line among JAX's own (where
     # libtpu is not installed, "Unable to initialize backend 'tpu'").

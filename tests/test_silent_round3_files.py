@@ -381,7 +381,8 @@ def test_harmless_generation_fields_load(tmp_path):
     """Item 13: these were refused; at these values they change nothing, so the config is
     the one of a file without them."""
     assert _generation_config(tmp_path, _HARMLESS) == _generation_config(tmp_path, {})
-    assert _generation_config(tmp_path, {}) == eqrope.GenerationConfig(top_k=50)
+    # Without max_new_tokens or max_length, transformers generates 20 new tokens (issue 44).
+    assert _generation_config(tmp_path, {}) == eqrope.GenerationConfig(top_k=50, max_new=20)
 
 
 @pytest.mark.parametrize(
@@ -414,7 +415,7 @@ def test_harmless_fields_written_by_transformers_load(tmp_path):
     written = json.loads((tmp_path / "generation_config.json").read_text())
     assert written["suppress_tokens"] == [] and written["num_assistant_tokens"] == 20
     config = eqrope.GenerationConfig.from_pretrained(tmp_path)
-    assert config == eqrope.GenerationConfig(temperature=0.7, top_k=50, eos_id=2)
+    assert config == eqrope.GenerationConfig(temperature=0.7, top_k=50, eos_id=2, max_new=20)
 
 
 # -- also: a save into a directory this user cannot write --------------------------------------

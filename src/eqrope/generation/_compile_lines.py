@@ -69,7 +69,7 @@ def compiling_generate(program: str, arrays, structure, args, static) -> None:
         shapes += f", draft_len {static['draft_len']}"
     with _LOCK:
         seen = _SEEN.setdefault(program, [])
-        before = min(seen, key=lambda s: sum(s[k] != v for k, v in settings.items()), default=None)
+        before = min(seen, key=lambda s: sum(s.get(k) != v for k, v in settings.items()), default=None)
         seen.append(settings)
     if before is None:
         compiling("generation", program, shapes, "batch, cache length, num_samples or static setting")

@@ -84,10 +84,11 @@ def _eos(value, name):
     if value is None:
         return None
     texts = [value] if isinstance(value, str) else list(value) if _is_sequence(value) else []
-    text = next((t for t in texts if isinstance(t, str)), None)
-    if text is not None:
+    at = next((i for i, t in enumerate(texts) if isinstance(t, str)), None)
+    if at is not None:
+        text, where = texts[at], name if isinstance(value, str) else f"{name}[{at}]"
         raise TypeError(
-            f"{name} must be token ids, got the text {text!r}: pass tokenizer.eos_ids (an "
+            f"{where} must be token ids, got the text {text!r}: pass tokenizer.eos_ids (an "
             "eqrope.Tokenizer's end ids), or that token's id, "
             f"tokenizer.encode({text!r}, add_special_tokens=False)."
         )
