@@ -18,13 +18,14 @@ from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._generation_config import resolve
 from ..generation._hf_generation_config import refuse_hf_keywords
+from ..generation._sampling import stack_rows
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
 from ._runner import Runner
 from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
 from ._settings import (
-    Capacities, check_buckets, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys, stack_rows,
+    Capacities, check_buckets, check_prompt, idle_sampling, powers as _powers, request_sampling, sample_keys,
 )  # fmt: skip
 
 
