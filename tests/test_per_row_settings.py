@@ -51,10 +51,10 @@ def per_row_call(model, settings, **kwargs):
     return eqrope.generate(model, PROMPT, prompt_lengths=LENGTHS, key=KEY, **SHARED, **settings, **kwargs)
 
 
-def alone(model, i, settings, key):
+def alone(model, i, settings, key, **kwargs):
     """Row `i`'s prompt generated alone, with row `i`'s scalar settings."""
     scalars = {"max_new": 9, **{name: values[i] for name, values in settings.items()}}
-    return eqrope.generate(model, PROMPT[i, : LENGTHS[i]], key=key, **SHARED, **scalars)
+    return eqrope.generate(model, PROMPT[i, : LENGTHS[i]], key=key, **SHARED, **scalars, **kwargs)
 
 
 def assert_same_text(batch, i, one, *, sample=None):
@@ -72,6 +72,14 @@ def test_each_row_equals_its_prompt_alone_with_its_settings(model, name):
     batch = per_row_call(model, settings)
     for i, row_key in enumerate(jax.random.split(KEY, 3)):  # row i's documented key
         assert_same_text(batch, i, alone(model, i, settings, row_key))
+
+
+def test_a_shared_stop_sequence_ends_each_row_as_alone(model):
+    settings = dict(temperature=(0.0, 1.0, 0.0), top_k=(None, 5, 3))
+    batch = per_row_call(model, settings, stop=[[1, 8]])
+    assert (np.asarray(batch.lengths) < LENGTHS + 9).any()  # the stop ends a row early
+    for i, row_key in enumerate(jax.random.split(KEY, 3)):
+        assert_same_text(batch, i, alone(model, i, settings, row_key, stop=[[1, 8]]))
 
 
 def test_each_sample_equals_its_prompt_alone(model):
