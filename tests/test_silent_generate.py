@@ -120,7 +120,8 @@ def test_generate_under_a_transformation_says_it_is_compiled_already(model):
         eqx.filter_jit(lambda m: eqrope.generate(m, prompt, 3))(model)
 
 
-@pytest.mark.parametrize("temperature", ["hot", None, [1.0]])
+# A list is one temperature per row of a batch (tests/test_per_row_settings.py).
+@pytest.mark.parametrize("temperature", ["hot", None, {"value": 1.0}])
 def test_temperature_of_the_wrong_type(model, temperature):
     # Under pytest's runtime type checks the annotation refuses it first, naming it too.
     with pytest.raises(TypeError, match="temperature"):

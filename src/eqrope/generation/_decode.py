@@ -30,7 +30,7 @@ from ._prefill import prepare
 from ._request import Request
 from ._result import NON_FINITE, Outputs, to_host
 from ._rows import over_rows
-from ._sampling import Sampling, choose_token, row_keys
+from ._sampling import Sampling, choose_rows, choose_token, per_row, row_keys
 from ._state import TextState, check_logits, commit, start_text
 from ._stream import can_stream, streamed
 
@@ -56,7 +56,7 @@ def run_cached(model, request: Request) -> Outputs:
 
     def run(stream_id):
         return generate_cached(
-            model, buffer, lengths, np.asarray(request.max_new, np.int32), request.sampling,
+            model, buffer, lengths, request.new_tokens(), request.sampling,
             request.key, stream_id, batched=request.batched, chunk=request.chunk,
             samples=request.samples, stream=can_stream(request),
             differentiable=request.differentiable, check_finite=request.check_finite,
@@ -95,7 +95,7 @@ def decode_program(
     model,
     buffer: Int[Array, "batch max_len"],
     lengths: Int[Array, " batch"],
-    max_new: Int[Array, ""],
+    max_new: Int[Array, ""] | Int[Array, " rows"],
     sampling: Sampling,
     key: Key[Array, ""],
     stream_id: Int[Array, ""] | None = None,
@@ -117,7 +117,10 @@ def decode_program(
 ]:
     """Prefill, then decode, as one program.
 
-    `buffer` has one column per cache row. Row `i` samples with
+    `buffer` has one column per cache row. `max_new` is every row's or each row's
+    (`generate` passes `(rows,)`), and `sampling` the settings of every row or, with a
+    leading rows axis, each row's (`_sampling.per_row`: a different program, whose rows
+    choose with `choose_rows`). Row `i` samples with
     `fold_in(row_key_i, position)`, the keys of `eqrope.generation._sampling.row_keys`.
     `samples=n` prefills each prompt once and decodes `n` rows from it (`rows = batch *
     n`, sample-minor). `stream=True` calls the `on_token` listener `stream_id` (see
@@ -169,7 +172,7 @@ def decode_step(
     active = ~text.done
     if check_finite:  # a row with a NaN or an inf stops here, flagged, with nothing added
         text, active = check_logits(text, state.logits, active)
-    choose = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
+    choose = choose_rows if per_row(sampling) else jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
     tok, lp, own = choose(state.logits, text.history, text.n_new, keys, text.pos, sampling)
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.

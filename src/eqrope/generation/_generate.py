@@ -9,13 +9,15 @@ the result, `_result.py`.
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
+import numpy as np
 from jaxtyping import Array, ArrayLike, Int
 
-from .._custom_types import IntLike
+from .._custom_types import IntLike, PerRow
 from .._log import warn
 from ._decode import run_cached
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
 from ._hf_generation_config import refuse_hf_keywords
+from ._per_row import refuse_config_list, split_rows
 from ._request import Request, parse_request
 from ._result import Generation, finish
 from ._uncached import generate_uncached
@@ -31,38 +33,38 @@ class TruncationWarning(UserWarning):
 # The types an editor sees: tokens, or a `Generation` with `return_logprobs=True`.
 @overload
 def generate(
-    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: Literal[False] = ...,
+    model, prompt, max_new: IntLike | PerRow | _FromConfig = ..., *, return_logprobs: Literal[False] = ...,
     **settings: Any,
 ) -> Int[Array, "*batch total"]: ...
 @overload
 def generate(
-    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: Literal[True], **settings: Any
+    model, prompt, max_new: IntLike | PerRow | _FromConfig = ..., *, return_logprobs: Literal[True], **settings: Any
 ) -> Generation: ...
 @overload
 def generate(
-    model, prompt, max_new: IntLike | _FromConfig = ..., *, return_logprobs: bool, **settings: Any
+    model, prompt, max_new: IntLike | PerRow | _FromConfig = ..., *, return_logprobs: bool, **settings: Any
 ) -> Int[Array, "*batch total"] | Generation: ...
 
 
 def generate(
     model,
     prompt,
-    max_new: IntLike | _FromConfig = FROM_CONFIG,
+    max_new: IntLike | PerRow | _FromConfig = FROM_CONFIG,
     *,
     config: GenerationConfig | None = None,
     max_len: IntLike | None = None,
     max_total: IntLike | None | _FromConfig = FROM_CONFIG,
-    temperature: float | ArrayLike | _FromConfig = FROM_CONFIG,
-    top_k: IntLike | None | _FromConfig = FROM_CONFIG,
-    top_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
-    min_p: float | ArrayLike | None | _FromConfig = FROM_CONFIG,
-    repetition_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
-    presence_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
-    frequency_penalty: float | ArrayLike | _FromConfig = FROM_CONFIG,
+    temperature: float | ArrayLike | PerRow | _FromConfig = FROM_CONFIG,
+    top_k: IntLike | None | PerRow | _FromConfig = FROM_CONFIG,
+    top_p: float | ArrayLike | None | PerRow | _FromConfig = FROM_CONFIG,
+    min_p: float | ArrayLike | None | PerRow | _FromConfig = FROM_CONFIG,
+    repetition_penalty: float | ArrayLike | PerRow | _FromConfig = FROM_CONFIG,
+    presence_penalty: float | ArrayLike | PerRow | _FromConfig = FROM_CONFIG,
+    frequency_penalty: float | ArrayLike | PerRow | _FromConfig = FROM_CONFIG,
     key=None,
     eos_id: IntLike | Sequence[IntLike] | ArrayLike | None | _FromConfig = FROM_CONFIG,
     stop: Sequence | None | _FromConfig = FROM_CONFIG,
-    min_new: IntLike | _FromConfig = FROM_CONFIG,
+    min_new: IntLike | PerRow | _FromConfig = FROM_CONFIG,
     bad_ids: Sequence[IntLike] | ArrayLike | None | _FromConfig = FROM_CONFIG,
     num_samples: IntLike | None | _FromConfig = FROM_CONFIG,
     prompt_lengths=None,
@@ -142,6 +144,16 @@ def generate(
       the number of `bad_ids` (padded to 8, then to powers of two), the number of `stop`
       sequences and their longest length (each padded to 4, then to powers of two), and
       `num_samples`.
+
+      Per row: `max_new`, `temperature`, `top_k`, `top_p`, `min_p`, the three penalties
+      and `min_new` each also take a list, a tuple or a `(batch,)` array, one value per
+      row of a `(batch, seq)` prompt (the samples of a row share its values). Row `i`
+      then equals its prompt generated alone with its own values and its row key (see
+      `key`). Each value is checked as one would be, named by its row
+      (`temperature[2]`); new values of the same batch do not recompile, but sampling
+      settings per row are a program of their own (`max_new` alone is not), and do not
+      run with a `draft` (`max_new` per row does). Under `jax.vmap`, `generate` cannot
+      run: pass the array instead.
     - `prompt_lengths`: for a batch, the real length of each row (ragged prompts, padded on
       the right); `None` means every row is full.
     - `pad_id`: fills positions after a row's end; default the (first) `eos_id`, else 0.
@@ -207,8 +219,8 @@ def generate(
     text (the tokens themselves are not differentiable).
     """
     refuse_hf_keywords(unknown, "generate", unknown=True)
-    settings = resolve(
-        config,
+    refuse_config_list(config)
+    given, rows = split_rows(
         dict(
             max_new=max_new, max_total=max_total, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p,
@@ -217,8 +229,10 @@ def generate(
             min_new=min_new, bad_ids=bad_ids, num_samples=num_samples,
         ),
     )  # fmt: skip
+    # The first row's values stand for the per-row settings in the call's settings.
+    settings = resolve(config, {**given, **{name: values[0] for name, values in rows.items()}})
     request = parse_request(
-        model, prompt, settings, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
+        model, prompt, settings, rows=rows, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
     )  # fmt: skip
@@ -230,19 +244,28 @@ def generate(
 def _warn_if_cut(settings: GenerationConfig, request: Request, explicit: bool) -> None:
     """Warn when the cache stops a row before its `max_new` tokens (the cut is documented,
     but a newcomer's `generate(model, prompt, 300)` on a 256-position model is a slip)."""
-    longest = int(request.lengths.max())
-    fits = request.max_len - longest
-    max_new = settings.new_tokens(longest)
-    if max_new <= fits:
-        return
-    asked = f"max_new={max_new}"
-    if settings.max_new is None:
-        asked = f"max_total={settings.max_total} ({max_new} new tokens)"
     cache = f"max_len={request.max_len}" if explicit else f"the model's max_len ({request.max_len})"
-    prompt = f"{'longest ' if request.prompt.shape[0] > 1 else ''}prompt of {longest}"
+    if request.row_max_new is not None:  # per row: each row's own prompt and max_new
+        fits = request.max_len - request.lengths
+        cut = np.flatnonzero(request.row_max_new > fits)
+        if not cut.size:
+            return
+        i = int(cut[0])
+        wanted, fits, others = int(request.row_max_new[i]), int(fits[i]), cut.size - 1
+        more = f" ({others} more row{'s' * (others != 1)} cut too)" if others else ""
+        asked, prompt, fix = f"max_new[{i}]={wanted}", f"prompt of {request.lengths[i]} in row {i}", f"max_new[{i}]"
+    else:
+        longest = int(request.lengths.max())
+        fits, wanted, more, fix = request.max_len - longest, settings.new_tokens(longest), "", "max_new"
+        if wanted <= fits:
+            return
+        asked = f"max_new={wanted}"
+        if settings.max_new is None:
+            asked = f"max_total={settings.max_total} ({wanted} new tokens)"
+        prompt = f"{'longest ' if request.prompt.shape[0] > 1 else ''}prompt of {longest}"
     warn(
         f"generate: {asked}, but {cache} holds {fits} new token{'s' * (fits != 1)} "
-        f"after the {prompt}, so {max_new - fits} will not be generated. Pass max_new <= "
+        f"after the {prompt}, so {wanted - fits} will not be generated{more}. Pass {fix} <= "
         f"{fits} to silence this.",
         TruncationWarning,
     )

@@ -14,6 +14,7 @@ from .._checks import check_int, is_concrete
 from .._custom_types import IntLike
 from ._generation_config import GenerationConfig
 from ._request_checks import (
+    UNDER_JIT,
     _check_draft,
     _check_fixed_rows,
     _check_ids,
@@ -23,8 +24,9 @@ from ._request_checks import (
     _padded,
     has_cache_protocol,
 )
+from ._per_row import row_configs, rows_sampling
 from ._prefill import prefill_piece
-from ._sampling import Sampling
+from ._sampling import Sampling, per_row
 from ._stop_strings import text_table
 from ._stopping import stop_table
 
@@ -36,8 +38,10 @@ class Request:
     - `batched`: the prompt was `(batch, seq)` (else `(seq,)`, held here as one row).
     - `prompt`: `(batch, seq)` int32 token ids; `lengths`: `(batch,)` real lengths.
     - `max_len`: the positions this call can hold: the cache rows of the cached path
-      (see `cache_rows`); `max_new`: the most new tokens per row.
-    - `sampling`: the traced settings; `key`: one typed PRNG key (rows derive theirs).
+      (see `cache_rows`); `max_new`: the most new tokens of any row.
+    - `sampling`: the traced settings, the same for every row, or each row's (every
+      field with a leading rows axis, `_sampling.per_row`); `key`: one typed PRNG key
+      (rows derive theirs).
     - `pad_id`: fills positions after a row's end.
     - `samples`: `num_samples` (`None`: one sample per prompt, without its axis).
     - `stream`: the `on_token` callback, or `None`.
@@ -48,6 +52,9 @@ class Request:
     - `mesh`, `rules`: the device mesh and its sharding rules, or `None`.
     - `differentiable`: the model's arrays are being differentiated (`jax.grad`), so the
       loop must be a scan.
+    - `row_max_new`: each prompt's `max_new` as asked (the cache may cut it),
+      `(batch,)`, when given per row (else `None`: every row has `max_new`);
+      `new_tokens()` gives the program's rows'.
     """
 
     batched: bool
@@ -69,6 +76,7 @@ class Request:
     mesh: object = None
     rules: object = None
     differentiable: bool = False
+    row_max_new: np.ndarray | None = None
 
     def buffer(self) -> np.ndarray:
         """The prompts in `(batch, max_len)` rows, one column per cache row."""
@@ -81,6 +89,16 @@ class Request:
     def rows(self) -> int:
         """The rows the program decodes: prompts times samples."""
         return self.prompt.shape[0] * (self.samples or 1)
+
+    def new_tokens(self) -> np.ndarray:
+        """The most new tokens of each row the program decodes, `(rows,)` int32
+        (sample-minor): one array whether or not `max_new` was given per row, so both
+        run one program."""
+        per_prompt = self.row_max_new
+        if per_prompt is None:
+            per_prompt = np.full((self.prompt.shape[0],), self.max_new)
+        per_prompt = np.minimum(per_prompt, self.max_len).astype(np.int32)  # the cache stops first
+        return np.repeat(per_prompt, self.samples or 1)
 
     @property
     def total(self) -> int:
@@ -119,6 +137,7 @@ def parse_request(
     prompt,
     settings: GenerationConfig,
     *,
+    rows: dict[str, tuple] | None = None,
     max_len=None,
     key=None,
     prompt_lengths=None,
@@ -133,10 +152,11 @@ def parse_request(
 ) -> Request:
     """Check every argument of `generate` beside the model's arrays into a `Request`.
 
-    `settings` is already checked (`GenerationConfig`); here come the checks that need
-    the model: the prompt, the cache length, token ids below its `vocab_size`, the draft,
-    and which program can run the call (`jax.grad`, a mesh and `on_token` each rule some
-    out).
+    `settings` is already checked (`GenerationConfig`), and so are the values given per
+    row, `rows` (`_per_row.split_rows`); here come the checks that need the model: the
+    prompt (one row per per-row value), the cache length, token ids below its
+    `vocab_size`, the draft, and which program can run the call (`jax.grad`, a mesh,
+    `on_token` and per-row settings each rule some out).
     """
     for name, value in (("prompt", prompt), ("prompt_lengths", prompt_lengths)):
         if not is_concrete(value):
@@ -147,18 +167,23 @@ def parse_request(
     vocab = check_int(getattr(model, "vocab_size", None), "the model's vocab_size", minimum=1, none=True)
     batched, prompt, lengths = _check_prompt(prompt, prompt_lengths, model_max_len, vocab)
     _check_fixed_rows(model, batched, prompt.shape)
-    wanted = settings.new_tokens(int(lengths.max()))
-    rows = cache_rows(prompt.shape[1], wanted, model_max_len, max_len)
-    max_new = min(wanted, rows)  # the cache stops the text first; keeps it an int32
-    if settings.temperature > 0 and key is None:
+    rows = rows or {}
+    configs = row_configs(settings, rows, batched, prompt.shape[0])
+    wanted = [config.new_tokens(int(lengths.max())) for config in configs]
+    cache = cache_rows(prompt.shape[1], max(wanted), model_max_len, max_len)
+    max_new = min(max(wanted), cache)  # the cache stops the text first; keeps it an int32
+    if any(config.temperature > 0 for config in configs) and key is None:
         raise ValueError("temperature > 0 samples at random; pass key=jax.random.key(...).")
     sampling, eos_ids = sampling_of(settings, vocab)
+    if rows.keys() - {"max_new"}:  # sampling settings per row: stacked
+        sampling = rows_sampling([sampling_of(c, vocab)[0] for c in configs], settings.num_samples)
     pad_id = settings.pad_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
     request = Request(
-        batched, prompt, lengths, rows, max_new, sampling, _check_key(key), pad_id,
+        batched, prompt, lengths, cache, max_new, sampling, _check_key(key), pad_id,
         settings.num_samples, stream,
+        row_max_new=np.asarray(wanted) if "max_new" in rows else None,
     )  # fmt: skip
     return _check_program(
         request, model, draft, draft_len, accept, check_finite, prefill_chunk, mesh, rules
@@ -207,6 +232,11 @@ def _check_program(request, model, draft, draft_len, accept, check_finite, chunk
     # Under `jax.grad` the model's arrays are tracers: the loop must be a scan.
     differentiable = not all(map(is_concrete, jax.tree.leaves((model, draft))))
     if draft is not None:
+        if per_row(request.sampling):
+            raise ValueError(
+                "per-row settings run without a draft; pass draft=None, or one value of each "
+                "sampling setting for every row (max_new may still differ per row)."
+            )
         if mesh is not None:
             raise ValueError("draft= does not run with mesh= yet; generate on a mesh without a draft.")
         if differentiable:
@@ -224,13 +254,3 @@ def _check_program(request, model, draft, draft_len, accept, check_finite, chunk
         check_finite=bool(check_finite), draft=draft, draft_len=draft_len, accept=accept,
         mesh=mesh, rules=rules, differentiable=differentiable,
     )  # fmt: skip
-
-
-UNDER_JIT = (
-    "generate got a traced {name}: it was called inside jax.jit, jax.vmap or "
-    "eqx.filter_jit. generate is already one compiled program and reads its results on the "
-    "host, so call it outside any transformation (jax.grad of its log-probabilities is "
-    "supported). To write your own compiled loop, jit model.prefill and model.step."
-)
-
-

@@ -15,6 +15,17 @@ from .speculative._acceptance import RULES
 from .speculative._prompt_lookup import PromptLookup
 
 
+UNDER_JIT = (
+    "generate got a traced {name}: it was called inside jax.jit, jax.vmap or "
+    "eqx.filter_jit. generate is already one compiled program and reads its results on the "
+    "host, so call it outside any transformation (jax.grad of its log-probabilities is "
+    "supported). For settings that differ per row (max_new, temperature, top_k, top_p, "
+    "min_p, the penalties, min_new), pass a (batch,) array of them with a (batch, seq) "
+    "prompt instead of mapping generate: temperature=jnp.array([0.5, 1.0]). To write your "
+    "own compiled loop, jit model.prefill and model.step."
+)
+
+
 def _check_draft(model, draft, draft_len, accept, max_len: int):
     """The checked `(draft, draft_len, accept)` of a `generate` call whose cache has
     `max_len` rows: `draft` a model or a `PromptLookup` (`"prompt_lookup"` is the default

@@ -90,6 +90,19 @@ def process_logits(
     return jax.lax.cond(masks_on(sampling), masked, lambda x: x, logits)
 
 
+def per_row(sampling: Sampling) -> bool:
+    """Whether `sampling` holds each row's settings (every field with a leading rows axis,
+    `stack_rows`) rather than one setting for every row: a static fact (the fields'
+    ranks), so the two are different programs."""
+    return np.ndim(sampling.temperature) == 1
+
+
+def stack_rows(rows: list[Sampling]) -> Sampling:
+    """The settings of each row: each field of `rows` stacked on a leading axis, as
+    `choose_rows` and `commit` take them (a `generate` call's rows, the engine's slots)."""
+    return jax.tree.map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *rows)
+
+
 def choose_token(
     logits: Float[Array, " vocab"],
     history: History,

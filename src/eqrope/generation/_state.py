@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ._processors import History, record
-from ._sampling import Sampling, penalties_on
+from ._sampling import Sampling, penalties_on, per_row
 from ._stop_strings import ends_with_text, text_stops_on
 from ._stopping import NONE, ends_with_stop
 from ._stream import emit
@@ -80,8 +80,9 @@ def commit(
     `min_new` new tokens before this one, after `max_new` new tokens, or when the cache is
     full.
 
-    `sampling` holds the settings of every row (`generate`), or of each row, with a
-    leading rows axis on every field (the engine's slots); `max_new` likewise.
+    `sampling` holds the settings of every row, or of each row, with a leading rows axis
+    on every field (`per_row`: the engine's slots, `generate`'s settings per row);
+    `max_new` likewise.
     """
     batch, max_len = text.tokens.shape
     pos, rows = text.pos, jnp.arange(batch)
@@ -92,12 +93,12 @@ def commit(
     tokens = write(text.tokens, tok)
     delivered = emit(listener, tok, pos, active) if listener is not None else 0  # always 0
     n_new = text.n_new + active.astype(jnp.int32) + delivered
-    per_row = jnp.ndim(sampling.stop) == 3
+    each_row = per_row(sampling)
     eos = jnp.asarray(sampling.eos)
-    is_eos = jnp.any(tok[:, None] == (eos if per_row else eos[None, :]), axis=-1)
+    is_eos = jnp.any(tok[:, None] == (eos if each_row else eos[None, :]), axis=-1)
     # Settings-level branches (one predicate for every row): a call without stop
     # sequences or penalties skips matching and counting at every step.
-    axis = 0 if per_row else None
+    axis = 0 if each_row else None
     is_stop = jax.lax.cond(
         jnp.any(jnp.asarray(sampling.stop) != NONE),
         lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, axis))(tokens, pos, sampling.stop),

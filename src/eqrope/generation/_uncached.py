@@ -3,9 +3,10 @@
 It is the documented reference path of [`eqrope.generate`][], for any causal callable
 `ids -> logits` with a `max_len`. Python loops over steps and rows; each forward pass is
 compiled once per padded width, not once per length. It shares the cached program's
-token choice (`choose_token`) and keys, but keeps its own plain bookkeeping: the
-penalties' history is counted again from the text at every token, stop sequences are
-compared as Python lists, and `num_samples` runs each prompt once per sample.
+token choice (`choose_token`, each row with its own settings when they are given per
+row) and keys, but keeps its own plain bookkeeping: the penalties' history is counted
+again from the text at every token, stop sequences are compared as Python lists, and
+`num_samples` runs each prompt once per sample.
 """
 
 import equinox as eqx
@@ -16,7 +17,7 @@ import numpy as np
 from ._request import Request
 from ._result import NON_FINITE, Outputs
 from ._processors import History
-from ._sampling import choose_token, row_keys
+from ._sampling import choose_token, per_row, row_keys
 from ._stop_strings import host_ends_with_text
 from ._stopping import host_ends_with_stop
 
@@ -56,20 +57,24 @@ def generate_uncached(model, request: Request) -> Outputs:
     **Returns:** the `Outputs`, as NumPy arrays laid out as the cached program's.
     """
     rows, max_len, n = request.rows, request.max_len, request.samples or 1
-    sampling = request.sampling
+    # Each row's own settings: the call's, or its row of settings given per row.
+    if per_row(request.sampling):
+        settings = [jax.tree.map(lambda x, r=r: np.asarray(x)[r], request.sampling) for r in range(rows)]
+    else:
+        settings = [request.sampling] * rows
+    max_new = request.new_tokens()
     tokens = np.zeros((rows, max_len), np.int32)
     logprobs = np.zeros((rows, max_len), np.float32)
     model_logprobs = np.zeros((rows, max_len), np.float32)
-    eos = set(np.asarray(sampling.eos).tolist())
-    min_new = int(sampling.min_new)
     keys = row_keys(request.key, request.prompt.shape[0], request.batched, request.samples)
     prompts = [[int(t) for t in request.prompt[r // n, : request.lengths[r // n]]] for r in range(rows)]
     new: list[list[int]] = [[] for _ in range(rows)]
-    going = [len(p) < max_len for p in prompts]
+    going = [len(prompts[r]) < max_len and max_new[r] > 0 for r in range(rows)]
     for _ in range(request.max_new):
         for r in range(rows):
             if not going[r]:
                 continue
+            sampling = settings[r]
             text = prompts[r] + new[r]
             pos = len(text)
             padded = np.zeros((uncached_bucket(pos, max_len),), np.int32)
@@ -88,11 +93,12 @@ def generate_uncached(model, request: Request) -> Outputs:
                 request.stream(r, pos, tok)
             written = text + [tok]
             ends = (
-                tok in eos
+                tok in np.asarray(sampling.eos).tolist()
                 or host_ends_with_stop(written, sampling.stop)
                 or host_ends_with_text(written, sampling.stop_text)
             )
-            going[r] = pos + 1 < max_len and not (n_new >= min_new and ends)
+            room = pos + 1 < max_len and len(new[r]) < max_new[r]
+            going[r] = room and not (n_new >= int(sampling.min_new) and ends)
     for r in range(rows):
         tokens[r, : len(prompts[r])] = prompts[r]
     ends = np.asarray([len(p) + len(t) for p, t in zip(prompts, new)], np.int32)

@@ -15,6 +15,7 @@ import numpy as np
 from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
+from ..generation._sampling import stack_rows
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
 from ._runner import Runner
@@ -22,7 +23,6 @@ from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
 from ._settings import (
     Capacities, check_buckets, idle_sampling, powers as _powers, request_config, request_sampling, sample_keys,
-    stack_rows,
 )  # fmt: skip
 
 

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 
 from ..generation._arrays import split_model
+from ..generation._sampling import stack_rows
 from ._paged_cache import PagedCache
 from ._programs import copy_program, decode_program, empty_text, prefill_program, start_program
-from ._settings import stack_rows
 
 
 class Runner:

@@ -107,11 +107,6 @@ def stop_rows(stop: list[list[int]], rows: int, width: int) -> np.ndarray:
     return table
 
 
-def stack_rows(rows: list[Sampling]) -> Sampling:
-    """The slots' settings: each field of `rows` stacked on a leading axis."""
-    return jax.tree.map(lambda *fields: np.stack([np.asarray(f) for f in fields]), *rows)
-
-
 def idle_sampling(vocab: int, caps: Capacities) -> Sampling:
     """The settings of an empty slot: greedy, nothing banned, no stop sequence."""
     return request_sampling(GenerationConfig(max_new=1), vocab, caps)

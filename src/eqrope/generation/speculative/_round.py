@@ -79,7 +79,7 @@ def speculative_decode(
     draft,
     buffer: Int[Array, "batch max_len"],
     lengths: Int[Array, " batch"],
-    max_new: Int[Array, ""],
+    max_new: Int[Array, ""] | Int[Array, " rows"],
     sampling: Sampling,
     key: Key[Array, ""],
     stream_id: Int[Array, ""] | None = None,
@@ -205,7 +205,7 @@ def run_speculative(model, request: Request) -> Outputs:
     def run(stream_id):
         return speculate_cached(
             model, request.draft, request.buffer(), request.lengths,
-            np.asarray(request.max_new, np.int32), request.sampling, request.key, stream_id,
+            request.new_tokens(), request.sampling, request.key, stream_id,
             batched=request.batched, chunk=request.chunk, samples=request.samples,
             stream=can_stream(request), check_finite=request.check_finite,
             draft_len=request.draft_len, rule=request.accept,
