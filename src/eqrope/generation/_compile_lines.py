@@ -45,12 +45,14 @@ def settings_of(arrays, structure, args, static) -> dict[str, str]:
         [(np.shape(a), str(a.dtype)) for a in jax.tree.leaves(arrays)]
     )
     out["the PRNG implementation"] = str(getattr(key, "dtype", type(key).__name__))
+    out["settings per row"] = str(np.ndim(sampling.temperature) == 1)
+    # The size buckets of the id lists, without the rows axis of settings per row.
     sizes = {
-        "eos_id": sampling.eos, "bad_ids": sampling.bad, "stop": sampling.stop,
-        "stop strings": sampling.stop_text.at,
+        "eos_id": (sampling.eos, 1), "bad_ids": (sampling.bad, 1), "stop": (sampling.stop, 2),
+        "stop strings": (sampling.stop_text.at, 3),
     }  # fmt: skip
-    for name, array in sizes.items():
-        out[f"the size bucket of {name}"] = "x".join(map(str, np.shape(array)))
+    for name, (array, rank) in sizes.items():
+        out[f"the size bucket of {name}"] = "x".join(map(str, np.shape(array)[-rank:]))
     return out
 
 

@@ -32,7 +32,7 @@ from ._result import NON_FINITE, Outputs, to_host
 from ._rows import over_rows
 from ._sampling import Sampling, choose_rows, choose_token, per_row, row_keys
 from ._state import TextState, check_logits, commit, start_text
-from ._stream import can_stream, streamed
+from ._stream import streamed
 
 
 class DecodeState(eqx.Module):
@@ -58,7 +58,7 @@ def run_cached(model, request: Request) -> Outputs:
         return generate_cached(
             model, buffer, lengths, request.new_tokens(), request.sampling,
             request.key, stream_id, batched=request.batched, chunk=request.chunk,
-            samples=request.samples, stream=can_stream(request),
+            samples=request.samples, stream=stream_id is not None,
             differentiable=request.differentiable, check_finite=request.check_finite,
             mesh=request.mesh, rules=request.rules,
         )  # fmt: skip

@@ -91,8 +91,9 @@ def commit(
         return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
 
     tokens = write(text.tokens, tok)
-    delivered = emit(listener, tok, pos, active) if listener is not None else 0  # always 0
-    n_new = text.n_new + active.astype(jnp.int32) + delivered
+    if listener is not None:
+        emit(listener, tok, pos, active)
+    n_new = text.n_new + active.astype(jnp.int32)
     each_row = per_row(sampling)
     eos = jnp.asarray(sampling.eos)
     is_eos = jnp.any(tok[:, None] == (eos if each_row else eos[None, :]), axis=-1)

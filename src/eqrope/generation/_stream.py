@@ -1,14 +1,16 @@
 """Streaming: `on_token` called from inside the compiled loop, and text pieces from it.
 
-The compiled program calls one module function, `_deliver`, through a `pure_callback`
-whose result the loop depends on (see `emit`), with a traced listener id; the id finds
-the call's `on_token` here. So a new callback does not recompile, and a call without
-`on_token` (id -1) runs the same program, which skips the callback with a `lax.cond`.
-Programs that cannot stream (on a mesh, or under `jax.grad`) are compiled without it.
-An exception raised by `on_token`, any `BaseException` (`KeyboardInterrupt`,
-`SystemExit`, `GeneratorExit` too), stops the calls to it and is raised again, itself,
-by `generate` once the program returns: none may escape into the runtime, which would
-turn it into an `INTERNAL: CpuCallback error`.
+The compiled program calls one module function, `_deliver`, through an ordered
+`io_callback`, with a traced listener id; the id finds the call's `on_token` here. So a
+new callback does not recompile, and a program compiled without streaming has no host
+callback at all. Streaming stays a static setting (a program of its own) for that: a
+program holding a host callback is never read back from the persistent compilation cache
+(the callback's address is part of its key), and an `io_callback`'s effect takes every
+call of a program off JAX's fast dispatch path (about 0.7 ms more per seed-protocol
+call, measured). An exception raised by `on_token`, any `BaseException`
+(`KeyboardInterrupt`, `SystemExit`, `GeneratorExit` too), stops the calls to it and is
+raised again, itself, by `generate` once the program returns: none may escape into the
+runtime, which would turn it into an `INTERNAL: CpuCallback error`.
 """
 
 import contextlib
@@ -17,8 +19,8 @@ import sys
 from collections.abc import Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jaxtyping import Array, Bool, Int
 
 
@@ -52,52 +54,31 @@ def listening(on_token: Callable[[int, int, int], object]) -> Iterator[np.ndarra
         raise listener.error
 
 
-NO_LISTENER = np.int32(-1)  # the listener id of a call without `on_token`
-
-
-def can_stream(request) -> bool:
-    """Whether the call's program holds the callback (on a mesh or under `jax.grad` it
-    cannot: `on_token` is refused there), whether or not this call streams."""
-    return request.mesh is None and not request.differentiable
-
-
-def streamed(run: Callable[[np.ndarray], object], on_token) -> object:
-    """`run(stream_id)`: `run(NO_LISTENER)` without `on_token`; with it, inside
-    `listening`, the results ready before the listener is released."""
+def streamed(run: Callable[[np.ndarray | None], object], on_token) -> object:
+    """`run(stream_id)`: `run(None)` without `on_token`; with it, inside `listening`, the
+    results ready before the listener is released."""
     if on_token is None:
-        return run(NO_LISTENER)
+        return run(None)
     with listening(on_token) as stream_id:
         return jax.block_until_ready(run(stream_id))
 
 
-def _deliver(ident, tokens, positions, active) -> np.ndarray:
+def _deliver(ident, tokens, positions, active) -> None:
     listener = _LISTENERS.get(int(ident))
-    if listener is not None and listener.error is None:
-        try:
-            for row in np.flatnonzero(active):
-                listener.on_token(int(row), int(positions[row]), int(tokens[row]))
-        except BaseException as e:  # noqa: BLE001 (Ctrl-C too: raised again by `listening`)
-            listener.error = e
-    return np.zeros((), np.int32)
+    if listener is None or listener.error is not None:
+        return
+    try:
+        for row in np.flatnonzero(active):
+            listener.on_token(int(row), int(positions[row]), int(tokens[row]))
+    except BaseException as e:  # noqa: BLE001 (Ctrl-C too: raised again by `listening`)
+        listener.error = e
 
 
 def emit(
     ident: Int[Array, ""], tokens: Int[Array, " rows"], positions: Int[Array, " rows"], active: Bool[Array, " rows"]
-) -> Int[Array, ""]:
-    """Inside the compiled loop: call the listener `ident` with each active row's token;
-    nothing for `ident = -1` (a call without `on_token`).
-
-    **Returns:** 0, which the caller must add into the loop's state: the callback is a
-    `pure_callback` whose result the next step depends on, so it runs exactly once per
-    step, in order, before the program returns. (An `io_callback`, an effect, would take
-    every call of the program, streaming or not, off JAX's fast dispatch path: about
-    0.7 ms more per `generate` call at the seed protocol.)
-    """
-    return jax.lax.cond(
-        ident >= 0,
-        lambda: jax.pure_callback(_deliver, jax.ShapeDtypeStruct((), jnp.int32), ident, tokens, positions, active),
-        lambda: jnp.zeros((), jnp.int32),
-    )
+) -> None:
+    """Inside the compiled loop: call the listener `ident` with each active row's token."""
+    io_callback(_deliver, None, ident, tokens, positions, active, ordered=True)
 
 
 class TextStream:

@@ -36,7 +36,7 @@ from .._result import NON_FINITE, Outputs, to_host
 from .._rows import over_rows
 from .._sampling import Sampling, model_logprob, process_logits, row_keys
 from .._state import TextState, check_logits, commit, start_text
-from .._stream import can_stream, streamed
+from .._stream import streamed
 from ._acceptance import judge
 from ._drafting import model_drafts
 from ._prompt_lookup import PromptLookup, lookup_drafts
@@ -207,7 +207,7 @@ def run_speculative(model, request: Request) -> Outputs:
             model, request.draft, request.buffer(), request.lengths,
             request.new_tokens(), request.sampling, request.key, stream_id,
             batched=request.batched, chunk=request.chunk, samples=request.samples,
-            stream=can_stream(request), check_finite=request.check_finite,
+            stream=stream_id is not None, check_finite=request.check_finite,
             draft_len=request.draft_len, rule=request.accept,
         )  # fmt: skip
 
