@@ -111,9 +111,9 @@ def test_generate_with_text_points_to_generate_text(model):
 
 
 def test_generate_with_an_eos_string_names_the_tokenizers_ids(unhooked):
-    for label in ("eos_id", "eos_id list"):
+    for label, name in (("eos_id", "eos_id"), ("eos_id list", "eos_id[1]")):  # the list names its entry
         message = unhooked[label]
-        assert message.startswith("TypeError: eos_id must be token ids, got the text '<|im_end|>'")
+        assert message.startswith(f"TypeError: {name} must be token ids, got the text '<|im_end|>'")
         assert "tokenizer.eos_ids" in message
         assert "tokenizer.encode('<|im_end|>', add_special_tokens=False)" in message
 
