@@ -6,6 +6,7 @@ comes from, and the byte counts with a hand computation from the model's sizes.
 
 import json
 import math
+import os
 import pathlib
 import statistics
 import subprocess
@@ -17,6 +18,13 @@ from _bench import BENCH, ROOT, SMOKE_ENV, load
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    # .ci/run has just run this very command (its newcomer's step, [dev] alone, the same
+    # flags) and says where: check that run rather than run the tiny bench twice.
+    given = os.environ.get("EQROPE_KV_CACHE_TINY")
+    if given:
+        out = pathlib.Path(given)
+        data = json.loads((out / "kv_cache_cpu.json").read_text())
+        return out, data, (out / "stdout.txt").read_text()
     out = tmp_path_factory.mktemp("kv_cache")
     proc = subprocess.run(
         [sys.executable, str(BENCH / "kv_cache.py"), "--tiny", "--out", str(out)],
