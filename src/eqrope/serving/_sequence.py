@@ -13,8 +13,7 @@ import numpy as np
 
 from ..generation import GenerationConfig
 from ..generation._sampling import Sampling
-from ..generation._stop_strings import host_ends_with_text
-from ..generation._stopping import host_ends_with_stop
+from ..generation._finish import finish_reason as host_finish_reason
 
 
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "nonfinite")
@@ -158,18 +157,11 @@ class Sequence:
 
 def finish_reason(sequence: Sequence, nonfinite: bool) -> str:
     """Why a sample the device marked done ended, read from its text as the device's
-    `commit` decided it: an EOS id, a stop sequence or a stop string once `min_new`
-    tokens came before the last one, else its length (`max_new` or the cache)."""
+    `commit` decided it (`eqrope.generation._finish`), or `"nonfinite"`."""
     if nonfinite:
         return "nonfinite"
-    request, tokens = sequence.request, sequence.tokens
-    if not tokens:
-        return "length"
-    sampling = request.sampling
-    may_end = len(tokens) - 1 >= int(sampling.min_new)
-    if may_end and tokens[-1] in set(np.asarray(sampling.eos).tolist()) - {-1}:
-        return "eos"
-    text = [*request.prompt.tolist(), *tokens]
-    if may_end and (host_ends_with_stop(text, sampling.stop) or host_ends_with_text(text, sampling.stop_text)):
-        return "stop"
-    return "length"
+    request, sampling = sequence.request, sequence.request.sampling
+    return host_finish_reason(
+        request.prompt.tolist(), sequence.tokens, np.asarray(sampling.eos).tolist(),
+        int(sampling.min_new), sampling.stop, sampling.stop_text,
+    )  # fmt: skip

@@ -7,9 +7,10 @@ from typing import Literal
 
 import numpy as np
 
+from ..generation._finish import finish_reason
 from ..generation._settings import _stop
-from ..generation._stop_strings import StopStrings, host_ends_with_text, text_table
-from ..generation._stopping import host_ends_with_stop, stop_table
+from ..generation._stop_strings import StopStrings, text_table
+from ..generation._stopping import stop_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,21 +35,7 @@ def text_generation(
 ) -> TextGeneration:
     """The details of a row whose `prompt` was followed by the tokens `new`; `stop` is the
     checked list `generate` ran with (token-id sequences and `StopStrings`)."""
-    new = [int(t) for t in new]
-    written = [int(t) for t in prompt] + new
-    may_end = len(new) - 1 >= min_new  # the row's last token could end it
-    if new and may_end and new[-1] in eos_ids:
-        reason = "eos"
-    elif new and may_end and _ends_with_a_stop(written, stop):
-        reason = "stop"
-    else:
-        reason = "length"
-    return TextGeneration(text, tuple(new), len(new), reason)
-
-
-def _ends_with_a_stop(written: list[int], stop) -> bool:
     stop = _stop(stop, "stop") or ()
     sequences = [s for s in stop if not isinstance(s, StopStrings)]
-    return host_ends_with_stop(written, stop_table(sequences)) or host_ends_with_text(
-        written, text_table(stop)
-    )
+    reason = finish_reason(prompt, new, eos_ids, min_new, stop_table(sequences), text_table(stop))
+    return TextGeneration(text, tuple(int(t) for t in new), len(new), reason)
