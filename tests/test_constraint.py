@@ -138,6 +138,15 @@ def test_greedy_equals_a_hand_loop_over_outlines_index(model):
         assert got == text, (regex, got, text)
 
 
+def test_a_1d_prompt_and_a_shared_automaton_decode_as_their_batch_rows(model):
+    ids, a = prompts(2, seed=3), from_outlines(index(REGEXES[4]))
+    batch = np.asarray(eqrope.generate(model, ids, 8, eos_id=EOS, constraint=[a, a]))  # one table entry
+    for row in range(2):
+        alone = np.asarray(eqrope.generate(model, ids[row], 8, eos_id=EOS, constraint=[a]))
+        assert np.array_equal(alone, batch[row]), row
+    assert not np.array_equal(batch, np.asarray(eqrope.generate(model, ids, 8, eos_id=EOS)))
+
+
 def test_sampled_rows_stay_inside_outlines_allowed_sets(model):
     regexes = REGEXES * 2
     ids = prompts(len(regexes), seed=2)
@@ -180,6 +189,21 @@ def test_logprobs_are_those_of_the_masked_distribution(model):
         assert np.isclose(float(out.model_logprobs[pos]), own, atol=1e-4), pos
         if token != EOS:
             state = idx.get_next_state(state, token)
+
+
+def test_next_states_equal_a_linear_search_of_the_exceptions():
+    rng = np.random.default_rng(0)
+    vocab, states = 200, 9
+    nexts = []
+    for s in range(states):  # from no exception to most of the vocabulary
+        ids = rng.choice(vocab, size=rng.integers(1, vocab), replace=False)
+        nexts.append({int(t): int(rng.integers(0, states)) for t in ids})
+    a = table([set(m) for m in nexts], nexts, [True] * states, vocab=vocab)
+    c = constraint_of(a, None, (16, 4096), batch=1, batched=False, samples=None, vocab=vocab)
+    state = rng.integers(0, states, size=500)
+    token = np.array([rng.choice(list(nexts[s])) for s in state])
+    got = jax.jit(advance)(c.table, jnp.asarray(state + 1, jnp.int32), jnp.asarray(token, jnp.int32), jnp.ones(500, bool))
+    assert (np.asarray(got) - 1).tolist() == [nexts[s][t] for s, t in zip(state, token)]
 
 
 # -- compiles ----------------------------------------------------------------------------------
