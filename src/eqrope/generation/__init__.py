@@ -3,6 +3,7 @@
 Sampling, logits processors, stop sequences and streaming sit beside it; `speculative/` drafts.
 """
 
+from ._automaton import Automaton as Automaton
 from ._generate import TruncationWarning as TruncationWarning, generate as generate
 from ._result import Generation as Generation
 from ._stop_strings import StopStrings as StopStrings

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from .._log import compiling
+from ._constraint import capacity
 
 
 # What compiled so far in this process, per program name: each program's settings.
@@ -32,10 +33,11 @@ _NAMES = {
 def settings_of(arrays, structure, args, static) -> dict[str, str]:
     """Each shape and static setting of a generate program, as text."""
     buffer, _, _, sampling, key, *_ = args
+    constraint = static.get("constraint")
     batch, length = buffer.shape
     out = {"batch": str(batch), "cache length": str(length)}
     for name, value in static.items():
-        if name not in ("batched", "mesh", "rules"):
+        if name not in ("batched", "mesh", "rules", "constraint"):
             out[_NAMES.get(name, name)] = str(value)
     out["mesh"] = "none" if static.get("mesh") is None else str(dict(static["mesh"].shape))
     out["sharding rules"] = "none" if static.get("rules") is None else "given"
@@ -46,6 +48,9 @@ def settings_of(arrays, structure, args, static) -> dict[str, str]:
     )
     out["the PRNG implementation"] = str(getattr(key, "dtype", type(key).__name__))
     out["settings per row"] = str(np.ndim(sampling.temperature) == 1)
+    out["the constraint capacity (states x exceptions)"] = (
+        "none" if constraint is None else "x".join(map(str, capacity(constraint.table)))
+    )
     # The size buckets of the id lists, without the rows axis of settings per row.
     sizes = {
         "eos_id": (sampling.eos, 1), "bad_ids": (sampling.bad, 1), "stop": (sampling.stop, 2),

@@ -14,6 +14,7 @@ log-probabilities) the loop is a `lax.scan` over the cache length instead, whose
 iterations are skipped with a `lax.cond`.
 """
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -26,11 +27,12 @@ from ..model import KVCache
 from ..sharding._rules import constrain, shard_batch
 from ._arrays import for_decoding, rebuild, split_model
 from ._compile_lines import compiling_generate
+from ._constraint import Constraint, advance, constrain_logits
 from ._prefill import prepare
 from ._request import Request
 from ._result import NON_FINITE, Outputs, to_host
 from ._rows import over_rows
-from ._sampling import Sampling, choose_rows, choose_token, per_row, row_keys
+from ._sampling import Sampling, choose_rows, choose_token, model_logprob, per_row, row_keys
 from ._state import TextState, check_logits, commit, start_text
 from ._stream import streamed
 
@@ -38,11 +40,13 @@ from ._stream import streamed
 class DecodeState(eqx.Module):
     """The carry of the decode loop: the rows' [`eqrope.KVCache`][] (no batch axis for
     one row; rows `0 .. pos - 1` of each row filled), the float32 `logits` for the token
-    at each row's `pos`, and the `text`."""
+    at each row's `pos`, the `text`, and each row's `automaton` state (`_constraint.py`;
+    `None` for a call without `constraint`)."""
 
     cache: KVCache
     logits: Float[Array, "batch vocab"]
     text: TextState
+    automaton: Int[Array, " batch"] | None = None
 
 
 def run_cached(model, request: Request) -> Outputs:
@@ -60,7 +64,7 @@ def run_cached(model, request: Request) -> Outputs:
             request.key, stream_id, batched=request.batched, chunk=request.chunk,
             samples=request.samples, stream=stream_id is not None,
             differentiable=request.differentiable, check_finite=request.check_finite,
-            mesh=request.mesh, rules=request.rules,
+            mesh=request.mesh, rules=request.rules, constraint=request.constraint,
         )  # fmt: skip
 
     *outputs, nonfinite = streamed(run, request.stream)
@@ -108,6 +112,7 @@ def decode_program(
     check_finite: bool = True,
     mesh=None,
     rules=None,
+    constraint: Constraint | None = None,
 ) -> tuple[
     Int[Array, "rows max_len"],
     Float[Array, "rows max_len"],
@@ -129,7 +134,8 @@ def decode_program(
     stops a row whose logits hold a NaN or an infinity and flags it, at the cost of one
     reduction per step; the caller raises. With a `mesh`, the
     batched cache is pinned to the sharding `eqrope.shard` gives a cache, and the results
-    are replicated.
+    are replicated. `constraint` masks each row's logits with its automaton
+    (`_constraint.py`); `None` leaves the program as it is without one.
 
     **Returns:** `(tokens, logprobs, model_logprobs, ends, nonfinite)`: the text buffer,
     the two log-probabilities of each new token (`eqrope.generation._sampling.choose_token`), each
@@ -142,11 +148,13 @@ def decode_program(
     model, cache = for_decoding(model, cache)
     cache = constrain(cache, mesh, rules)
     listener = stream_id if stream else None
+    table = None if constraint is None else constraint.table
     step = functools.partial(
-        decode_step, model, max_new, sampling, keys, listener, check_finite, mesh, rules
+        decode_step, model, max_new, sampling, keys, listener, check_finite, mesh, rules, table
     )
     text = start_text(buffer, lengths, history, max_new)
-    state = DecodeState(cache=cache, logits=logits, text=text)
+    automaton = None if constraint is None else jnp.asarray(constraint.start, jnp.int32)
+    state = DecodeState(cache=cache, logits=logits, text=text, automaton=automaton)
     if differentiable:
 
         def body(state: DecodeState, _):
@@ -163,17 +171,25 @@ def decode_program(
 
 
 def decode_step(
-    model, max_new, sampling: Sampling, keys, listener, check_finite, mesh, rules, state: DecodeState
+    model, max_new, sampling: Sampling, keys, listener, check_finite, mesh, rules, table, state: DecodeState
 ) -> DecodeState:
     """Sample each unfinished row's token at `pos` (`commit`), then run the model one step
-    on it."""
-    text = state.text
+    on it. With a constraint `table`, the logits are masked first and the rows' automata
+    move on with their tokens (`_constraint.py`)."""
+    text, logits, automaton = state.text, state.logits, state.automaton
     max_len = text.tokens.shape[1]
     active = ~text.done
     if check_finite:  # a row with a NaN or an inf stops here, flagged, with nothing added
-        text, active = check_logits(text, state.logits, active)
+        text, active = check_logits(text, logits, active)
+    if table is not None:  # a row with no token left stops here, with nothing added
+        logits, stuck = constrain_logits(table, automaton, logits, text.n_new, sampling)
+        text = dataclasses.replace(text, done=text.done | (active & stuck))
+        active = active & ~stuck
     choose = choose_rows if per_row(sampling) else jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
-    tok, lp, own = choose(state.logits, text.history, text.n_new, keys, text.pos, sampling)
+    tok, lp, own = choose(logits, text.history, text.n_new, keys, text.pos, sampling)
+    if table is not None:  # the model's own log-probability reads the unmasked logits
+        own = jax.vmap(model_logprob, in_axes=(0, 0, 0 if per_row(sampling) else None))(state.logits, tok, sampling)
+        automaton = advance(table, automaton, tok, active)
     # Every iteration runs the step: when all rows have just finished it is wasted, but
     # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
     # The step's write, row `step_pos` of the cache, cannot be clamped: `step_pos <=
@@ -189,4 +205,4 @@ def decode_step(
     )
     logits, cache = over_rows(step, tok, state.cache, step_pos)
     cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
-    return DecodeState(cache=cache, logits=logits, text=text)
+    return DecodeState(cache=cache, logits=logits, text=text, automaton=automaton)

@@ -78,6 +78,9 @@ def generate(
     prefill_chunk: IntLike | Literal["auto"] = "auto",
     mesh=None,
     rules=None,
+    constraint=None,
+    think_end: Sequence[IntLike] | None = None,
+    constraint_capacity: tuple[IntLike, IntLike] | None = None,
     **unknown,
 ) -> Int[Array, "*batch total"] | Generation:
     """Generate up to `max_new` tokens after `prompt`.
@@ -192,6 +195,28 @@ def generate(
       `eqrope.shard` gives a cache (by default batch on `"data"`, key/value heads on
       `"model"`); the results are replicated so every process can read them. The tokens
       are those of one device, and the program compiles once per mesh and rules.
+    - `constraint`: structured output (docs/generation.md). An `Automaton` (a
+      deterministic automaton over the model's token ids, such as `eqrope.structured`
+      compiles from a regex, a choice list or a JSON schema with `vocab=model.vocab_size`)
+      for every prompt, or a list with one per prompt of a batch (`None`: that row is
+      free). Each row's logits are masked to its state's allowed tokens before every
+      other processor (penalties, `bad_ids`, `min_new`, temperature, truncation), and its
+      EOS ids are allowed exactly in accepting states; the `logprobs` returned are those
+      of the masked distribution (`model_logprobs` stay the model's own). The state moves
+      inside the compiled loop: no host call per token. A row left with no token (a
+      final state without an EOS id, or whose last tokens `bad_ids` or `min_new` remove)
+      ends there, with nothing added. Free rows are bitwise those of a call without
+      `constraint`. The samples of a prompt share its constraint. Cached path only,
+      without `draft`.
+    - `think_end`: token ids that end a reasoning model's thinking: each constrained row
+      starts free (but without EOS), and its constraint starts after the first
+      occurrence of this sequence among its new tokens.
+    - `constraint_capacity`: `(states, exceptions)` of the traced table that holds every
+      constraint of the call (with one FREE state, and `len(think_end)` states per
+      automaton with `think_end`); part of the program's shape. `None` picks the
+      smallest powers of two that hold them, at least `(64, 1024)`, so new automata
+      within that size compile nothing new; a value pins one program, and a call whose
+      automata need more is refused, naming the size to pass.
 
     **Returns:** token ids of shape `(total,)` or `(batch, total)`, with
     `total = min(seq + max_new, max_len)` (the call's `max_len`; with the default it is
@@ -235,6 +260,7 @@ def generate(
         model, prompt, settings, rows=rows, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
+        constraint=constraint, think_end=think_end, constraint_capacity=constraint_capacity,
     )  # fmt: skip
     _warn_if_cut(settings, request, max_len is not None)
     outputs = _PROGRAMS[request.program](model, request)

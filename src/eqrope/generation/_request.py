@@ -24,6 +24,8 @@ from ._request_checks import (
     _padded,
     has_cache_protocol,
 )
+from ._constraint import Constraint
+from ._constraint_table import constraint_of
 from ._per_row import row_configs, rows_sampling
 from ._prefill import prefill_piece
 from ._sampling import Sampling, per_row
@@ -55,6 +57,8 @@ class Request:
     - `row_max_new`: each prompt's `max_new` as asked (the cache may cut it),
       `(batch,)`, when given per row (else `None`: every row has `max_new`);
       `new_tokens()` gives the program's rows'.
+    - `constraint`: the rows' automata table and start states
+      (`_constraint.Constraint`), or `None` without any constraint.
     """
 
     batched: bool
@@ -77,6 +81,7 @@ class Request:
     rules: object = None
     differentiable: bool = False
     row_max_new: np.ndarray | None = None
+    constraint: Constraint | None = None
 
     def buffer(self) -> np.ndarray:
         """The prompts in `(batch, max_len)` rows, one column per cache row."""
@@ -149,6 +154,9 @@ def parse_request(
     prefill_chunk="auto",
     mesh=None,
     rules=None,
+    constraint=None,
+    think_end=None,
+    constraint_capacity=None,
 ) -> Request:
     """Check every argument of `generate` beside the model's arrays into a `Request`.
 
@@ -184,6 +192,10 @@ def parse_request(
         batched, prompt, lengths, cache, max_new, sampling, _check_key(key), pad_id,
         settings.num_samples, stream,
         row_max_new=np.asarray(wanted) if "max_new" in rows else None,
+        constraint=constraint_of(
+            constraint, think_end, constraint_capacity, batch=prompt.shape[0], batched=batched,
+            samples=settings.num_samples, vocab=vocab,
+        ),
     )  # fmt: skip
     return _check_program(
         request, model, draft, draft_len, accept, check_finite, prefill_chunk, mesh, rules
@@ -221,6 +233,13 @@ def _check_program(request, model, draft, draft_len, accept, check_finite, chunk
         raise ValueError("rules say how to place arrays on a mesh; pass mesh= too.")
     draft, draft_len, accept = _check_draft(model, draft, draft_len, accept, request.max_len)
     cached = has_cache_protocol(model)
+    if request.constraint is not None and (draft is not None or not cached):
+        raise ValueError(
+            "constraint= runs in the plain cached decode loop: "
+            + ("pass draft=None (speculative decoding does not mask its drafts)." if cached else
+               "pass a model with the cache protocol (init_cache, prefill, step), such as "
+               "eqrope.RotaryDecoder, not an uncached callable.")
+        )  # fmt: skip
     if not cached:
         if mesh is not None:
             raise ValueError("mesh is only for models with the cache protocol.")

@@ -7,6 +7,7 @@ import numpy as np
 
 from .._checks import check_bool
 from .._custom_types import IntLike
+from ..generation._automaton import Automaton
 from ..generation._generate import generate
 from ..generation._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig
 from ..generation._hf_generation_config import refuse_hf_keywords
@@ -89,6 +90,10 @@ def generate_text(
       `" m" "at"` and `" mat."` alike), as transformers' `stop_strings` do; the text
       returned keeps that whole token (see [`eqrope.StopStrings`][]). A string prompt
       samples as `generate` does with a 1-D prompt and the same `key`; a list as a batch.
+      `constraint` may hold, beside compiled automata, anything with a
+      `compile(tokenizer, vocab=...)` method (`eqrope.Regex`, `eqrope.Choice`,
+      `eqrope.JsonSchema`): it is compiled with this tokenizer and the model's
+      `vocab_size` (one entry per prompt of a list, or one for every prompt).
 
     - `return_details`: return a [`eqrope.TextGeneration`][] in place of each text: the
       text with its new token ids, their count and why the row ended (`"eos"`, `"stop"`
@@ -141,6 +146,8 @@ def generate_text(
     if isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop):
         strings = [s for s in stop if isinstance(s, str)]
         settings["stop"] = [s for s in stop if not isinstance(s, str)] + [StopStrings(tokenizer, strings)]
+    if settings.get("constraint") is not None:
+        settings["constraint"] = _compiled(settings["constraint"], tokenizer, getattr(model, "vocab_size", None))
     text_stream = _text_stream(stream, one, settings, config, tokenizer, eos_ids)
     result = generate(
         model, ids, max_new, eos_id=list(eos_ids) or None, prompt_lengths=lengths,
@@ -218,6 +225,23 @@ def _prompts(prompt) -> str | list:
             f"generate_text: prompt must be a string or a list of strings, got {got}{hint}."
         )
     return items
+
+
+def _compiled(constraint, tokenizer, vocab):
+    """`generate`'s `constraint` from `generate_text`'s: each entry with a `compile` method
+    compiled with `tokenizer` over the model's `vocab` ids (each distinct one once)."""
+    done: dict[int, object] = {}
+
+    def one(c):
+        if c is None or not callable(getattr(c, "compile", None)):
+            return c  # an Automaton (a NamedTuple, which has no compile method) or a mistake generate names
+        if id(c) not in done:
+            done[id(c)] = c.compile(tokenizer, vocab=vocab)
+        return done[id(c)]
+
+    if isinstance(constraint, (list, tuple)) and not isinstance(constraint, Automaton):
+        return [one(c) for c in constraint]
+    return one(constraint)
 
 
 def _eos_ids(config_eos, tokenizer: Tokenizer) -> tuple[int, ...]:
