@@ -227,7 +227,8 @@ def test_the_table_covers_the_models_vocabulary(tok):
     assert a.vocab == 1000 and a.allowed.shape[1] == 32 and b.allowed.shape[1] == -(-size // 32)
     assert all(max(allowed(a, s)) < size for s in range(a.accepting.size))
     np.testing.assert_array_equal(a.allowed[:, : b.allowed.shape[1]], b.allowed)
-    with pytest.raises(ValueError, match="vocab must be an int at least the tokenizer's size"):
+    assert eqrope.Regex("[a-z]+").compile(tok, vocab=np.int64(1000)) is a
+    with pytest.raises(ValueError, match=r"vocab \(the model's vocabulary size, at least the tokenizer's"):
         eqrope.Regex("[a-z]+").compile(tok, vocab=size - 1)
 
 
@@ -268,6 +269,30 @@ def test_random_paths_match_the_regex(tok, pattern):
     for _ in range(40):
         path = walk(a, rng, distances(a))
         assert re.fullmatch(pattern, b"".join(spelled[t] for t in path).decode())
+
+
+@pytest.mark.parametrize(
+    "pattern, texts, not_texts",
+    [("^[a-z]{2}$", ["ab"], ["abc"]), ("a|bc", ["a", "bc"], ["abc"]), ("^a|bc$", ["a", "bc"], ["ac"]),
+     ("x\\$", ["x$"], ["x"]), ("[0-9]+", ["12"], ["1a"])],
+)  # fmt: skip
+def test_a_pattern_matches_the_whole_string(tok, pattern, texts, not_texts):
+    """Anchored or not, a `pattern` must match the whole string (a subset of JSON Schema's
+    search semantics); `a|b` stays inside the quotes."""
+    schema = {"type": "string", "pattern": pattern}
+    a, spelled = eqrope.JsonSchema(schema).compile(tok), tok.token_bytes()
+    by_text = {spelled[t]: t for t in range(len(spelled)) if spelled[t]}
+
+    def accepts(text: str) -> bool:
+        s = 0
+        for b in json.dumps(text).encode():
+            t = by_text[bytes([b])]
+            if t not in allowed(a, s):
+                return False
+            s = step(a, s, t)
+        return bool(a.accepting[s])
+
+    assert all(accepts(t) for t in texts) and not any(accepts(t) for t in not_texts)
 
 
 def test_a_choice_writes_exactly_its_strings(tok):
@@ -460,13 +485,11 @@ def test_the_state_budget_names_its_argument(tok):
     with pytest.raises(ValueError, match="max_states=20"):
         eqrope.JsonSchema({"type": "string", "maxLength": 40}, max_states=20).compile(tok)
     assert eqrope.JsonSchema({"type": "string", "maxLength": 40}).compile(tok).accepting.size > 20
-    with pytest.raises(ValueError, match="max_states must be a positive int"):
+    with pytest.raises(ValueError, match=r"max_states \(default 4096\) must be a positive int"):
         eqrope.Regex("a", max_states=0)
 
 
-def test_dead_ends_are_pruned_and_an_empty_language_refused():
-    """With the tokens `a`, `b`, `aa` only, `a*c|b` can write `b` alone: outlines-core keeps
-    the state after `a` (it loops on `a` and never accepts); the export drops it."""
+def _tiny():
     import tokenizers
     from tokenizers import decoders, models
 
@@ -474,6 +497,19 @@ def test_dead_ends_are_pruned_and_an_empty_language_refused():
     words.decoder = decoders.ByteLevel()
     tok = eqrope.Tokenizer(words)
     assert tok.token_bytes() == [b"a", b"b", b"aa"]
+    return tok
+
+
+def test_a_choice_is_not_hidden_by_a_shorter_one():
+    """outlines-core's automaton is leftmost-first: `(?:)|(?:a)` would never write `a`."""
+    a = eqrope.Choice(["", "a"]).compile(_tiny())
+    assert a.accepting[0] and allowed(a, 0) == {0} and a.accepting[step(a, 0, 0)]
+
+
+def test_dead_ends_are_pruned_and_an_empty_language_refused():
+    """With the tokens `a`, `b`, `aa` only, `a*c|b` can write `b` alone: outlines-core keeps
+    the state after `a` (it loops on `a` and never accepts); the export drops it."""
+    tok = _tiny()
     a = eqrope.Regex("a*c|b").compile(tok)
     assert allowed(a, 0) == {1} and a.accepting.tolist() == [False, True]
     with pytest.raises(ValueError, match="accepts no text this tokenizer can write"):

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._checks import check_int
+from .._custom_types import IntLike
 from ..generation._automaton import Automaton
 from ._export import export
 
@@ -88,7 +90,7 @@ def _vocabulary(key: str, token_bytes: tuple[bytes, ...]):
     return oc.Vocabulary(len(token_bytes), ids)
 
 
-def compile_regex(regex: str, tokenizer, vocab: int | None, max_states: int, what: str) -> Automaton:
+def compile_regex(regex: str, tokenizer, vocab: IntLike | None, max_states: int, what: str) -> Automaton:
     """`regex` (outlines-core's Rust syntax, matched whole) against `tokenizer`'s token
     bytes, as an `Automaton` over `vocab` ids (default: the tokenizer's size).
 
@@ -97,12 +99,8 @@ def compile_regex(regex: str, tokenizer, vocab: int | None, max_states: int, wha
     """
     token_bytes = tuple(tokenizer.token_bytes())
     size = len(token_bytes)
-    vocab = size if vocab is None else vocab
-    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or vocab < size:
-        raise ValueError(
-            f"{what}.compile: vocab must be an int at least the tokenizer's size {size} "
-            f"(the model's vocabulary may be larger), got {vocab!r}."
-        )
+    name = f"{what}.compile: vocab (the model's vocabulary size, at least the tokenizer's {size})"
+    vocab = size if vocab is None else check_int(vocab, name, minimum=size)
     key = (regex, _vocabulary_key(token_bytes), int(vocab), int(max_states))
     with _lock:
         if key in _cache:

@@ -235,7 +235,7 @@ class _Walk:
         if core.endswith("$") and not re.search(r"(^|[^\\])(\\\\)*\\\$$", core):
             core = core[:-1]
         self.pattern_check(core, path)
-        return f"^{core}$"
+        return f"^(?:{core})$"  # outlines-core writes `("CORE")`: the group keeps `a|b` inside the quotes
 
     def array(self, node: dict, keys: set, path: str) -> dict | None:
         bounds = _bounds(node, "minItems", "maxItems", path)

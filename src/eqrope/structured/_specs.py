@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .._checks import check_int
+from .._custom_types import IntLike
 from ..generation._automaton import Automaton
 from ._compile import compile_regex, json_pattern_check
 from ._schema import rewrite
@@ -16,9 +18,7 @@ WHITESPACE = {"compact": "", "flexible": "[ ]?"}
 
 
 def _check_max_states(value, who: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{who}: max_states must be a positive int (default {MAX_STATES}), got {value!r}.")
-    return value
+    return check_int(value, f"{who}: max_states (default {MAX_STATES})", minimum=1)
 
 
 def escape(text: str) -> str:
@@ -35,7 +35,7 @@ class _Spec:
     def regex(self) -> str:
         raise NotImplementedError
 
-    def compile(self, tokenizer, vocab: int | None = None) -> Automaton:
+    def compile(self, tokenizer, vocab: IntLike | None = None) -> Automaton:
         """The constraint as an `Automaton` over `tokenizer`'s token ids.
 
         **Arguments:**
@@ -68,15 +68,21 @@ class Regex(_Spec):
       `\\w` and `.` are Unicode-aware; the whole text must match (no anchors needed).
     - `max_states`: the most automaton states the compiled constraint may have (default
       4096); past it `compile` raises a `ValueError`.
+
+    A limit of outlines-core 0.2.14, which builds the automaton: out of a state where the
+    text may end, it keeps only the tokens that lead to another such state. So after `1`,
+    `1(x5)?` goes on only with a token that spells `x5` whole, and `Choice(["no",
+    "nothing"])` writes `nothing` only through a token that ends where it ends. The text
+    always matches; some matching texts cannot be written.
     """
 
     pattern: str
-    max_states: int = MAX_STATES
+    max_states: IntLike = MAX_STATES
 
     def __post_init__(self):
         if not isinstance(self.pattern, str):
             raise TypeError(f"Regex: pattern must be a str, got {type(self.pattern).__name__}.")
-        _check_max_states(self.max_states, "Regex")
+        object.__setattr__(self, "max_states", _check_max_states(self.max_states, "Regex"))
 
     def regex(self) -> str:
         return self.pattern
@@ -90,12 +96,15 @@ class Choice(_Spec):
 
     - `choices`: a non-empty sequence of strings.
     - `max_states`: as for [`eqrope.Regex`][].
+
+    A choice that extends another (`no`, `nothing`) meets the limit that
+    [`eqrope.Regex`][] describes.
     """
 
     choices: tuple[str, ...]
     max_states: int = MAX_STATES
 
-    def __init__(self, choices: Sequence[str], max_states: int = MAX_STATES):
+    def __init__(self, choices: Sequence[str], max_states: IntLike = MAX_STATES):
         if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
             raise ValueError(f"Choice: choices must be a non-empty list of strings, like ['yes', 'no'], got {choices!r}.")
         for i, c in enumerate(choices):
@@ -105,7 +114,10 @@ class Choice(_Spec):
         object.__setattr__(self, "max_states", _check_max_states(max_states, "Choice"))
 
     def regex(self) -> str:
-        return "|".join(f"(?:{escape(c)})" for c in dict.fromkeys(self.choices))
+        # outlines-core's automaton is leftmost-first: an alternative that matches a prefix
+        # of a later one hides it (`(?:)|(?:a)` never writes `a`). Longer strings first.
+        ordered = sorted(dict.fromkeys(self.choices), key=lambda c: -len(c.encode()))
+        return "|".join(f"(?:{escape(c)})" for c in ordered)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +150,7 @@ class JsonSchema(_Spec):
     whitespace: str = "compact"
     max_states: int = MAX_STATES
 
-    def __init__(self, schema: dict[str, Any], whitespace: str = "compact", max_states: int = MAX_STATES):
+    def __init__(self, schema: dict[str, Any], whitespace: str = "compact", max_states: IntLike = MAX_STATES):
         if not isinstance(schema, dict):
             raise TypeError(f"JsonSchema: schema must be a dict (a JSON schema), got {type(schema).__name__}.")
         if whitespace not in WHITESPACE:
