@@ -192,31 +192,36 @@ REGEXES = [r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(the|The) (cat|dog) sat", r"[a-c]+x?
     ids=lambda s: type(s).__name__,
 )  # fmt: skip
 def test_every_state_agrees_with_outlines_index(tok, spelled, spec):
-    ids: dict[bytes, list[int]] = {}
+    """outlines-core's index of the regex followed by the END marker U+10FFFF (which a
+    pseudo-token spells): a state accepts where END leads to a final state."""
+    end = len(spelled)
+    ids: dict[bytes, list[int]] = {"\U0010ffff".encode(): [end]}
     for i, b in enumerate(spelled):
         if b:
             ids.setdefault(b, []).append(i)
-    index = oc.Index(spec.regex(), oc.Vocabulary(EOS, ids))
-    a, states = export(index, len(spelled), EOS)
+    index = oc.Index(f"(?:{spec.regex()})\\x{{10ffff}}", oc.Vocabulary(EOS, ids))
+    a, states = export(index, len(spelled), end_id=end, eos_id=EOS)
     assert states[0] == index.get_initial_state()
-    # The public path (an EOS id past the vocabulary) builds the same table.
+    # The public path (END and EOS ids past the vocabulary) builds the same table.
     public = spec.compile(tok)
     for ours, theirs in zip(public[:-1], a[:-1]):
         np.testing.assert_array_equal(ours, theirs)
-    # outlines' states from which a final state can be reached: the export keeps only those.
+    # outlines' states from which an END can be reached: the export keeps only those.
     table = index.get_transitions()
-    productive = set(index.get_final_states())
+    finals = index.get_final_states()
+    productive = {s for s, row in table.items() if row.get(end) in finals}
     while True:
-        more = {s for s, row in table.items() if s not in productive and any(d in productive for t, d in row.items() if t != EOS)}
+        more = {s for s, row in table.items() if s not in productive and any(d in productive for t, d in row.items() if t not in (EOS, end))}
         if not more:
             break
         productive |= more
     for k, state in enumerate(states.tolist()):
-        theirs = {t for t in index.get_allowed_tokens(state) if t != EOS and index.get_next_state(state, t) in productive}
+        outlines = set(index.get_allowed_tokens(state))
+        theirs = {t for t in outlines - {EOS, end} if index.get_next_state(state, t) in productive}
         assert allowed(a, k) == theirs, k
         for t in theirs:
             assert states[step(a, k, t)] == index.get_next_state(state, t)
-        assert a.accepting[k] == index.is_final_state(state)
+        assert a.accepting[k] == (end in outlines and index.get_next_state(state, end) in finals)
         assert a.accepting[k] or theirs
 
 
@@ -296,7 +301,7 @@ def test_a_pattern_matches_the_whole_string(tok, pattern, texts, not_texts):
 
 
 def test_a_choice_writes_exactly_its_strings(tok):
-    choices = ["yes", "no", "a.b", "(x)|y*", 'say "hi"\n', "日本", "maybe"]
+    choices = ["", "yes", "no", "nothing", "a.b", "(x)|y*", 'say "hi"\n', "日本", "maybe", "maybe so"]
     a = eqrope.Choice(choices).compile(tok)
     spelled, found = tok.token_bytes(), set()
 
@@ -408,22 +413,25 @@ def test_difference_exponent_sign(tok, raw, lltok):
     assert plus in ours and plus in theirs and five in theirs and five not in ours
 
 
-def test_difference_after_an_accepting_state(tok, raw, lltok):
-    """outlines-core 0.2.14 keeps, out of an accepting state, only the tokens that end in
-    an accepting state: a top-level number `1` may go on with digits, but not with `.`
-    (which would need more tokens to accept). llguidance allows `.`. A subset, so the text
-    stays valid; a token `.5` would be allowed."""
+def test_an_accepting_state_may_go_on(tok, raw, lltok):
+    """outlines-core 0.2.14 keeps, out of a state where its regex matches, only the tokens
+    that lead to another such state: after a top-level `1` no `.`, after `no` no `t` of
+    `nothing`. With the END marker no state but the last matches: `.` is allowed, as in
+    llguidance."""
     schema = {"type": "number"}
     ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, [raw.token_to_id("1")])
-    dot, two = raw.token_to_id("."), raw.token_to_id("2")
-    assert two in ours and two in theirs and dot in theirs and dot not in ours
+    dot = raw.token_to_id(".")
+    assert dot in ours and ours == theirs
+    plain = oc.Index("1(x5)?", oc.Vocabulary(EOS, {b: [i] for i, b in enumerate(tok.token_bytes()) if b}))
+    one = raw.token_to_id("1")
+    assert plain.get_allowed_tokens(plain.get_next_state(plain.get_initial_state(), one)) == [EOS]
     a = eqrope.Regex("1(x5)?").compile(tok)
-    assert allowed(a, step(a, 0, raw.token_to_id("1"))) == set()
-    a = eqrope.Choice(["no", "nothing"]).compile(tok)  # no token spells "thing"
+    assert allowed(a, step(a, 0, one)) == {raw.token_to_id("x")} and a.accepting[step(a, 0, one)]
+    a = eqrope.Choice(["no", "nothing"]).compile(tok)
     s = 0
     for t in raw.encode("no").ids:
         s = step(a, s, t)
-    assert a.accepting[s] and allowed(a, s) == set()
+    assert a.accepting[s] and allowed(a, s)
 
 
 def test_difference_day_of_month(tok, raw, lltok):
@@ -501,7 +509,8 @@ def _tiny():
 
 
 def test_a_choice_is_not_hidden_by_a_shorter_one():
-    """outlines-core's automaton is leftmost-first: `(?:)|(?:a)` would never write `a`."""
+    """outlines-core's index of `(?:)|(?:a)` alone never writes `a` (its start state
+    matches already); with the END marker it does."""
     a = eqrope.Choice(["", "a"]).compile(_tiny())
     assert a.accepting[0] and allowed(a, 0) == {0} and a.accepting[step(a, 0, 0)]
 

@@ -1,9 +1,15 @@
 """A regex compiled against a tokenizer's vocabulary into an `Automaton`, with outlines-core,
 within a state budget, and cached.
 
-outlines-core's `Vocabulary` maps each token's bytes to its ids and takes one EOS id: the
-compile passes an id no token has (the tokenizer's size) and the export drops its
-transitions. Tokens that spell nothing (special tokens) are left out, so never allowed.
+outlines-core's `Vocabulary` maps each token's bytes to its ids and takes one EOS id.
+Tokens that spell nothing (special tokens) are left out, so never allowed.
+
+The end of the text is an END marker: the regex compiled is `(?:REGEX)` followed by the
+character U+10FFFF, which a pseudo-token (id: the tokenizer's size) spells; a state may end
+the text where END leads to a state where the regex matches (the export drops END's
+transitions, and EOS's, the tokenizer's size + 1). outlines-core 0.2.14 keeps, out of a state where its regex matches,
+only the tokens that lead to another such state (after `1`, `1(x5)?` could go on only with
+a token `x5`); with END no state but the last matches, so nothing is lost.
 """
 
 import collections
@@ -21,6 +27,7 @@ from ._export import export
 
 
 _EXTRA = 'pip install "eqrope[structured]"'
+END = "\U0010ffff"
 _CACHE_SIZE = 32
 _cache: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
@@ -44,12 +51,17 @@ def _byte_vocabulary():
     return oc.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
 
 
+def ended(regex: str) -> str:
+    """`regex` followed by the END marker."""
+    return f"(?:{regex})\\x{{10ffff}}"
+
+
 def byte_index(regex: str, what: str):
-    """The outlines-core index of `regex` over single bytes; a `ValueError` naming `what`
-    for a regex outlines-core cannot compile."""
+    """The outlines-core index of `ended(regex)` over single bytes; a `ValueError` naming
+    `what` for a regex outlines-core cannot compile."""
     oc = outlines_core()
     try:
-        return oc.Index(regex, _byte_vocabulary())
+        return oc.Index(ended(regex), _byte_vocabulary())
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{what}: outlines-core cannot compile it ({e}).") from None
 
@@ -87,7 +99,8 @@ def _vocabulary(key: str, token_bytes: tuple[bytes, ...]):
     for i, b in enumerate(token_bytes):
         if b:
             ids.setdefault(b, []).append(i)
-    return oc.Vocabulary(len(token_bytes), ids)
+    ids.setdefault(END.encode(), []).append(len(token_bytes))
+    return oc.Vocabulary(len(token_bytes) + 1, ids)
 
 
 def compile_regex(regex: str, tokenizer, vocab: IntLike | None, max_states: int, what: str) -> Automaton:
@@ -115,10 +128,10 @@ def compile_regex(regex: str, tokenizer, vocab: IntLike | None, max_states: int,
         )
     oc = outlines_core()
     try:
-        index = oc.Index(regex, _vocabulary(key[1], token_bytes))
+        index = oc.Index(ended(regex), _vocabulary(key[1], token_bytes))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"{what}: outlines-core cannot compile it against this tokenizer ({e}).") from None
-    automaton, _ = export(index, int(vocab), size)
+    automaton, _ = export(index, int(vocab), end_id=size, eos_id=size + 1)
     if automaton.accepting.size > max_states:
         raise ValueError(
             f"{what}: the constraint needs {automaton.accepting.size} automaton states, past "

@@ -1,10 +1,12 @@
 """An outlines-core `Index` exported as an `Automaton` (NumPy arrays, vectorised).
 
-The index's state ids are sparse (regex_automata's); the export numbers the states it
-keeps `0 .. S - 1`, the start state first. It drops the end-of-sequence transitions (the
-traced side allows EOS exactly in `accepting` states) and every state from which no
-accepting state can be reached (and the tokens that lead there), so that every state of
-the table either accepts or has a token that leads on to an accepting state.
+The index is of a regex followed by an END marker (`_compile.py`): a state accepts where
+the END pseudo-token leads to a state where the index's regex matches. The index's state ids are sparse (regex_automata's); the
+export numbers the states it keeps `0 .. S - 1`, the start state first. It drops the END
+and EOS transitions (the traced side allows EOS exactly in `accepting` states) and every
+state from which no accepting state can be reached (and the tokens that lead there), so
+that every state of the table either accepts or has a token that leads on to an
+accepting state.
 """
 
 import numpy as np
@@ -44,14 +46,15 @@ def _closure(seeds: np.ndarray, sources: np.ndarray, targets: np.ndarray, size: 
     return seen
 
 
-def export(index, vocab: int, eos_id: int) -> tuple[Automaton, np.ndarray]:
+def export(index, vocab: int, *, end_id: int, eos_id: int) -> tuple[Automaton, np.ndarray]:
     """Export an outlines-core `Index` over token ids `0 .. vocab - 1`.
 
     **Arguments:**
 
-    - `index`: an `outlines_core.Index`.
-    - `vocab`: the number of token ids the table covers (ids at or past it, and `eos_id`,
-      are never allowed).
+    - `index`: an `outlines_core.Index` of a regex followed by the END marker.
+    - `vocab`: the number of token ids the table covers (ids at or past it, `end_id` and
+      `eos_id` are never allowed).
+    - `end_id`: the id of the END pseudo-token.
     - `eos_id`: the end-of-sequence id the index's `Vocabulary` was built with.
 
     **Returns:** `(automaton, state_ids)`: `state_ids[k]` is the index's id of the
@@ -61,9 +64,12 @@ def export(index, vocab: int, eos_id: int) -> tuple[Automaton, np.ndarray]:
     tokenizer cannot write any text the constraint accepts.
     """
     initial = index.get_initial_state()
-    finals = np.asarray(sorted(index.get_final_states()), np.int64)
     src, tok, dst = _edges(index.get_transitions())
-    keep = (tok != eos_id) & (tok < vocab) & (tok >= 0)
+    # END may also be a character of the text (inside `.*` or a JSON string): a state
+    # accepts where END leads to a state where the index's regex matches.
+    ends = (tok == end_id) & np.isin(dst, np.asarray(list(index.get_final_states()), np.int64))
+    finals = np.unique(src[ends])
+    keep = (tok != eos_id) & (tok != end_id) & (tok < vocab) & (tok >= 0)
     src, tok, dst = src[keep], tok[keep], dst[keep]
     # Dense ids over every state the index names, to find the live ones.
     ids = np.unique(np.concatenate([src, dst, finals, [initial]]))

@@ -68,12 +68,6 @@ class Regex(_Spec):
       `\\w` and `.` are Unicode-aware; the whole text must match (no anchors needed).
     - `max_states`: the most automaton states the compiled constraint may have (default
       4096); past it `compile` raises a `ValueError`.
-
-    A limit of outlines-core 0.2.14, which builds the automaton: out of a state where the
-    text may end, it keeps only the tokens that lead to another such state. So after `1`,
-    `1(x5)?` goes on only with a token that spells `x5` whole, and `Choice(["no",
-    "nothing"])` writes `nothing` only through a token that ends where it ends. The text
-    always matches; some matching texts cannot be written.
     """
 
     pattern: str
@@ -96,9 +90,6 @@ class Choice(_Spec):
 
     - `choices`: a non-empty sequence of strings.
     - `max_states`: as for [`eqrope.Regex`][].
-
-    A choice that extends another (`no`, `nothing`) meets the limit that
-    [`eqrope.Regex`][] describes.
     """
 
     choices: tuple[str, ...]
@@ -114,10 +105,7 @@ class Choice(_Spec):
         object.__setattr__(self, "max_states", _check_max_states(max_states, "Choice"))
 
     def regex(self) -> str:
-        # outlines-core's automaton is leftmost-first: an alternative that matches a prefix
-        # of a later one hides it (`(?:)|(?:a)` never writes `a`). Longer strings first.
-        ordered = sorted(dict.fromkeys(self.choices), key=lambda c: -len(c.encode()))
-        return "|".join(f"(?:{escape(c)})" for c in ordered)
+        return "|".join(f"(?:{escape(c)})" for c in dict.fromkeys(self.choices))
 
 
 @dataclasses.dataclass(frozen=True)
