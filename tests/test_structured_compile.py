@@ -24,8 +24,8 @@ import eqrope
 
 oc = pytest.importorskip("outlines_core")
 llguidance = pytest.importorskip("llguidance")
+lnp = pytest.importorskip("llguidance.numpy")
 jsonschema = pytest.importorskip("jsonschema")
-import llguidance.numpy  # noqa: E402
 
 from eqrope.structured._export import export  # noqa: E402
 
@@ -322,10 +322,10 @@ def masks(lltok, schema) -> tuple:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     matcher = llguidance.LLMatcher(lltok, grammar)
     assert not matcher.is_error(), matcher.get_error()
-    bitmask = llguidance.numpy.allocate_token_bitmask(1, lltok.vocab_size)
+    bitmask = lnp.allocate_token_bitmask(1, lltok.vocab_size)
 
     def mask() -> set[int]:
-        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+        lnp.fill_next_token_bitmask(matcher, bitmask, 0)
         bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
         return set(np.flatnonzero(bits).tolist()) - {EOS}
 
@@ -335,7 +335,12 @@ def masks(lltok, schema) -> tuple:
 COMPARED = [
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"enum": ["x", "yy", 3]}}, "required": ["a", "b"], "additionalProperties": False},
     {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "minItems": 1, "maxItems": 3},
-    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,5}$"}, "t": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}}, "required": ["s"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,5}$"}, "t": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
+        "required": ["s"],
+        "additionalProperties": False,
+    },
     # A string with length bounds holds no escapes here: see test_difference_string_escapes.
     {**NESTED, "properties": {**NESTED["properties"], "note": {"type": "string", "pattern": "^[a-z]{0,3}$"}}},
 ]
