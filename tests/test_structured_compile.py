@@ -129,8 +129,9 @@ FLAT = {
         "name": {"type": "string", "maxLength": 6},
         "age": {"type": "integer"},
         "ok": {"type": "boolean"},
+        "naïve": {"type": "null"},
     },
-    "required": ["name", "age", "ok"],
+    "required": ["name", "age", "ok", "naïve"],
     "additionalProperties": False,
 }
 NESTED = {
@@ -476,6 +477,9 @@ def test_difference_additional_properties(tok, raw, lltok):
         ({"type": "string", "maxLength": 3, "pattern": "a"}, ["maxLength", "pattern"]),
         ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, ["'required'"]),
         ({"enum": [[1]]}, ["'enum'", "/enum/0"]),
+        ({"enum": [1], "type": 5}, ["'type' must be one of", "/type"]),
+        ({"enum": [True], "type": "integer"}, ["not of the schema's type", "/enum/0"]),
+        ({"type": "object", "properties": {'a"b': {}}}, ["needs escaping"]),
         ({"$ref": "https://example.com/s.json"}, ["local references"]),
         ({"type": "integer", "maxLength": 3}, ["'maxLength'", "does not apply"]),
     ],

@@ -178,7 +178,10 @@ class _Walk:
         if key == "enum" and (not isinstance(values, list) or not values):
             raise _fail(f"{path}/enum", "'enum' must be a non-empty list")
         types = node.get("type", list(_TYPES))
-        types = {types} if isinstance(types, str) else set(types)
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or any(t not in _TYPES for t in types):
+            raise _fail(f"{path}/type", f"'type' must be one of {list(_TYPES)} or a list of them, got {json.dumps(node['type'])}")
+        types = set(types)
         for i, value in enumerate(values):
             where = f"{path}/{key}" + (f"/{i}" if key == "enum" else "")
             if not _kinds(value):
@@ -272,7 +275,7 @@ class _Walk:
             raise _fail(f"{path}/required", f"'required' must list names of 'properties', got {json.dumps(required)}")
         out = {}
         for name, sub in properties.items():
-            if json.dumps(name)[1:-1] != name:
+            if json.dumps(name, ensure_ascii=False)[1:-1] != name:
                 raise _fail(f"{path}/properties", f"the property name {name!r} needs escaping in JSON, which is not supported")
             done = self.node(sub, f"{path}/properties/{name}")
             if done is None and name in required:
