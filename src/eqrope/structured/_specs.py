@@ -2,6 +2,7 @@
 into an `Automaton` that the generate loop carries per row."""
 
 import dataclasses
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation._automaton import Automaton
-from ._compile import compile_regex, json_pattern_check
+from ._compile import compile_regex, json_pattern_check, outlines_core
 from ._schema import rewrite
 
 
@@ -157,11 +158,15 @@ class JsonSchema(_Spec):
         return json.loads(self.schema_json)
 
     def regex(self) -> str:
-        from ._compile import outlines_core
+        return _schema_regex(self.schema_json, self.whitespace)
 
-        build = outlines_core().json_schema.build_regex_from_schema
-        rewritten = rewrite(self.schema, json_pattern_check)
-        try:
-            return build(json.dumps(rewritten), WHITESPACE[self.whitespace])
-        except (ValueError, RuntimeError) as e:
-            raise ValueError(f"JsonSchema: outlines-core cannot compile it ({e}).") from None
+
+@functools.lru_cache(maxsize=64)
+def _schema_regex(schema_json: str, whitespace: str) -> str:
+    """The regex of a schema (its allow-list walk and pattern checks run once)."""
+    build = outlines_core().json_schema.build_regex_from_schema
+    rewritten = rewrite(json.loads(schema_json), json_pattern_check)
+    try:
+        return build(json.dumps(rewritten), WHITESPACE[whitespace])
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"JsonSchema: outlines-core cannot compile it ({e}).") from None
