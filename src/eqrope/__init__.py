@@ -1,7 +1,7 @@
 """eqrope: a rotary decoder-only transformer with a static key/value cache, in JAX + Equinox.
 
 The public API is `eqrope.NAME`; the folders group it by concern: `model`, `generation`,
-`text`, `weights`, `training`, `adapters`, `rl`, `sharding`, `eval` and `serving`.
+`text`, `structured`, `weights`, `training`, `adapters`, `rl`, `sharding`, `eval` and `serving`.
 """
 
 from ._compilation_cache import use_compilation_cache as use_compilation_cache
@@ -71,6 +71,7 @@ from .sharding import (
     shard_batch as shard_batch,
     shardings as shardings,
 )
+from .structured import Choice as Choice, JsonSchema as JsonSchema, Regex as Regex
 from .text import TextGeneration as TextGeneration, Tokenizer as Tokenizer, generate_text as generate_text
 from .training import (
     cross_entropy as cross_entropy,

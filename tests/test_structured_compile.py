@@ -1,0 +1,549 @@
+"""Structured output, the compile half (issue 41): `eqrope.Regex`, `Choice` and `JsonSchema`
+compiled against a byte-level BPE tokenizer into an `Automaton`, against independent
+references:
+
+- outlines-core's own `Index` (`get_allowed_tokens`, `get_next_state`, `is_final_state`)
+  at every state, on a vocabulary read from llguidance's `decode_bytes`;
+- llguidance's mask (compact whitespace) on the same prefixes of random paths, except the
+  documented differences, each shown by its own test;
+- Python's `json.loads` and `jsonschema` for the text of random paths, and `re.fullmatch`
+  for regexes; every string of a `Choice`, enumerated.
+"""
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eqrope
+
+
+oc = pytest.importorskip("outlines_core")
+llguidance = pytest.importorskip("llguidance")
+lnp = pytest.importorskip("llguidance.numpy")
+jsonschema = pytest.importorskip("jsonschema")
+
+from eqrope.structured._export import export  # noqa: E402
+
+from _serve import TEXTS  # noqa: E402
+
+
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def raw():
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = tokenizers.Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    raw.train_from_iterator(TEXTS * 4 + ['{"name": "x", "ok": true, "tags": ["a", "b"]}'] * 4, trainer)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def tok(raw):
+    return eqrope.Tokenizer(raw, eos_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def lltok(raw):
+    return llguidance.LLTokenizer(raw.to_str(), eos_token=EOS)
+
+
+@pytest.fixture(scope="module")
+def spelled(raw, lltok) -> list[bytes]:
+    """Each token's bytes as llguidance reads them (`b""` for special tokens)."""
+    special = set(raw.get_added_tokens_decoder())
+    return [b"" if i in special else lltok.decode_bytes([i]) for i in range(raw.get_vocab_size())]
+
+
+# --- reading an Automaton (the layout of generation/_automaton.py) -------------------------
+
+
+def allowed(a, s: int) -> set[int]:
+    bits = np.unpackbits(np.ascontiguousarray(a.allowed[s]).view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def step(a, s: int, t: int) -> int:
+    lo, hi = int(a.exc_start[s]), int(a.exc_start[s + 1])
+    at = lo + int(np.searchsorted(a.exc_token[lo:hi], t))
+    return int(a.exc_next[at]) if at < hi and a.exc_token[at] == t else int(a.default_next[s])
+
+
+def distances(a) -> np.ndarray:
+    """Tokens from each state to an accepting one (a reverse breadth-first search)."""
+    n = a.accepting.size
+    into = [[] for _ in range(n)]
+    for s in range(n):
+        for t in allowed(a, s):
+            into[step(a, s, t)].append(s)
+    dist = np.full(n, np.iinfo(np.int64).max)
+    frontier = list(np.flatnonzero(a.accepting))
+    dist[frontier] = 0
+    while frontier:
+        nxt = []
+        for d in frontier:
+            for s in into[d]:
+                if dist[s] > dist[d] + 1:
+                    dist[s] = dist[d] + 1
+                    nxt.append(s)
+        frontier = nxt
+    return dist
+
+
+def walk(a, rng: random.Random, dist=None, limit: int = 400) -> list[int] | None:
+    """A random path from the start to an accepting state (`None` past `limit` tokens);
+    every other step (when `dist` is given) moves closer to acceptance."""
+    s, path = 0, []
+    while len(path) < limit:
+        options = sorted(allowed(a, s))
+        if a.accepting[s] and (not options or rng.random() < 0.25):
+            return path
+        assert options, f"state {s} neither accepts nor allows a token"
+        if dist is not None and rng.random() < 0.5:
+            best = min(dist[step(a, s, t)] for t in options)
+            options = [t for t in options if dist[step(a, s, t)] == best]
+        t = rng.choice(options)
+        path.append(t)
+        s = step(a, s, t)
+    return None
+
+
+# --- the specs ----------------------------------------------------------------------------
+
+FLAT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "naïve": {"type": "null"},
+    },
+    "required": ["name", "age", "ok", "naïve"],
+    "additionalProperties": False,
+}
+NESTED = {
+    "$defs": {"color": {"enum": ["red", "green", "blue"]}},
+    "type": "object",
+    "properties": {
+        "user": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"$ref": "#/$defs/color"}, "maxItems": 3}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+        "status": {"enum": ["open", "closed", None]},
+        "note": {"type": "string", "maxLength": 3},
+    },
+    "required": ["user", "status"],
+    "additionalProperties": False,
+}
+TREE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+            "required": ["v"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+FORMATS = {
+    "type": "object",
+    "properties": {f: {"type": "string", "format": f} for f in ("date", "time", "date-time", "uuid")},
+    "required": ["date", "time", "date-time", "uuid"],
+    "additionalProperties": False,
+}
+SCHEMAS = [
+    FLAT,
+    NESTED,
+    TREE,
+    FORMATS,
+    {"enum": ["red", "green", 3, None, True, 2.5]},
+    {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}, {"type": "null"}]},
+    {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}, {"type": "boolean"}]},
+    {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]+$", "title": "code"},
+    {"type": "object"},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"const": "v"}, "n": {"type": "number"}}, "required": ["k", "n"]}, "minItems": 1, "maxItems": 2},
+]
+REGEXES = [r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(the|The) (cat|dog) sat", r"[a-c]+x?"]
+
+
+# --- against outlines-core's Index ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [eqrope.Regex(REGEXES[0]), eqrope.Regex(REGEXES[1]), eqrope.Choice(["yes", "no", "a.b", "日本"]),
+     eqrope.JsonSchema(FLAT), eqrope.JsonSchema(NESTED), eqrope.JsonSchema(TREE),
+     eqrope.JsonSchema(FLAT, whitespace="flexible"), eqrope.JsonSchema({"type": "object"})],
+    ids=lambda s: type(s).__name__,
+)  # fmt: skip
+def test_every_state_agrees_with_outlines_index(tok, spelled, spec):
+    """outlines-core's index of the regex followed by the END marker U+10FFFF (which a
+    pseudo-token spells): a state accepts where END leads to a final state."""
+    end = len(spelled)
+    ids: dict[bytes, list[int]] = {"\U0010ffff".encode(): [end]}
+    for i, b in enumerate(spelled):
+        if b:
+            ids.setdefault(b, []).append(i)
+    index = oc.Index(f"(?:{spec.regex()})\\x{{10ffff}}", oc.Vocabulary(EOS, ids))
+    a, states = export(index, len(spelled), end_id=end, eos_id=EOS)
+    assert states[0] == index.get_initial_state()
+    # The public path (END and EOS ids past the vocabulary) builds the same table.
+    public = spec.compile(tok)
+    for ours, theirs in zip(public[:-1], a[:-1]):
+        np.testing.assert_array_equal(ours, theirs)
+    # outlines' states from which an END can be reached: the export keeps only those.
+    table = index.get_transitions()
+    finals = index.get_final_states()
+    productive = {s for s, row in table.items() if row.get(end) in finals}
+    while True:
+        more = {s for s, row in table.items() if s not in productive and any(d in productive for t, d in row.items() if t not in (EOS, end))}
+        if not more:
+            break
+        productive |= more
+    for k, state in enumerate(states.tolist()):
+        outlines = set(index.get_allowed_tokens(state))
+        theirs = {t for t in outlines - {EOS, end} if index.get_next_state(state, t) in productive}
+        assert allowed(a, k) == theirs, k
+        for t in theirs:
+            assert states[step(a, k, t)] == index.get_next_state(state, t)
+        assert a.accepting[k] == (end in outlines and index.get_next_state(state, end) in finals)
+        assert a.accepting[k] or theirs
+
+
+def test_the_table_covers_the_models_vocabulary(tok):
+    a = eqrope.Regex("[a-z]+").compile(tok, vocab=1000)
+    b = eqrope.Regex("[a-z]+").compile(tok)
+    size = len(tok.token_bytes())
+    assert a.vocab == 1000 and a.allowed.shape[1] == 32 and b.allowed.shape[1] == -(-size // 32)
+    assert all(max(allowed(a, s)) < size for s in range(a.accepting.size))
+    np.testing.assert_array_equal(a.allowed[:, : b.allowed.shape[1]], b.allowed)
+    assert eqrope.Regex("[a-z]+").compile(tok, vocab=np.int64(1000)) is a
+    with pytest.raises(ValueError, match=r"vocab \(the model's vocabulary size, at least the tokenizer's"):
+        eqrope.Regex("[a-z]+").compile(tok, vocab=size - 1)
+
+
+def test_compiled_automata_are_cached_and_read_only(tok):
+    a = eqrope.JsonSchema(FLAT).compile(tok)
+    assert eqrope.JsonSchema(dict(FLAT)).compile(tok) is a
+    assert eqrope.JsonSchema(FLAT, whitespace="flexible").compile(tok) is not a
+    with pytest.raises(ValueError):
+        a.allowed[0, 0] = 0
+
+
+# --- the text of random paths -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+@pytest.mark.parametrize("whitespace", ["compact", "flexible"])
+def test_random_paths_are_valid_json(tok, schema, whitespace):
+    a = eqrope.JsonSchema(schema, whitespace=whitespace).compile(tok)
+    dist, rng, spelled = distances(a), random.Random(0), tok.token_bytes()
+    for _ in range(40):
+        path = walk(a, rng, dist)
+        assert path is not None
+        text = b"".join(spelled[t] for t in path).decode()
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        if whitespace == "compact":
+            assert text == json.dumps(value, ensure_ascii=False, separators=(",", ":")) or "e" in text.lower()
+        if schema is FORMATS:  # stricter than jsonschema's format checks, which need extras
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d", value["date"], re.ASCII)
+            assert re.fullmatch(r"\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)?", value["time"], re.ASCII)
+            assert re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", value["uuid"])
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_random_paths_match_the_regex(tok, pattern):
+    a = eqrope.Regex(pattern).compile(tok)
+    rng, spelled = random.Random(1), tok.token_bytes()
+    for _ in range(40):
+        path = walk(a, rng, distances(a))
+        assert re.fullmatch(pattern, b"".join(spelled[t] for t in path).decode())
+
+
+@pytest.mark.parametrize(
+    "pattern, texts, not_texts",
+    [("^[a-z]{2}$", ["ab"], ["abc"]), ("a|bc", ["a", "bc"], ["abc"]), ("^a|bc$", ["a", "bc"], ["ac"]),
+     ("x\\$", ["x$"], ["x"]), ("[0-9]+", ["12"], ["1a"])],
+)  # fmt: skip
+def test_a_pattern_matches_the_whole_string(tok, pattern, texts, not_texts):
+    """Anchored or not, a `pattern` must match the whole string (a subset of JSON Schema's
+    search semantics); `a|b` stays inside the quotes."""
+    schema = {"type": "string", "pattern": pattern}
+    a, spelled = eqrope.JsonSchema(schema).compile(tok), tok.token_bytes()
+    by_text = {spelled[t]: t for t in range(len(spelled)) if spelled[t]}
+
+    def accepts(text: str) -> bool:
+        s = 0
+        for b in json.dumps(text).encode():
+            t = by_text[bytes([b])]
+            if t not in allowed(a, s):
+                return False
+            s = step(a, s, t)
+        return bool(a.accepting[s])
+
+    assert all(accepts(t) for t in texts) and not any(accepts(t) for t in not_texts)
+
+
+def test_a_choice_writes_exactly_its_strings(tok):
+    choices = ["", "yes", "no", "nothing", "a.b", "(x)|y*", 'say "hi"\n', "日本", "maybe", "maybe so"]
+    a = eqrope.Choice(choices).compile(tok)
+    spelled, found = tok.token_bytes(), set()
+
+    def every(s: int, text: bytes):
+        if a.accepting[s]:
+            found.add(text.decode())
+        for t in allowed(a, s):
+            every(step(a, s, t), text + spelled[t])
+
+    every(0, b"")
+    assert found == set(choices)
+
+
+# --- against llguidance (compact whitespace) ------------------------------------------------
+
+
+def masks(lltok, schema) -> tuple:
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    matcher = llguidance.LLMatcher(lltok, grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    bitmask = lnp.allocate_token_bitmask(1, lltok.vocab_size)
+
+    def mask() -> set[int]:
+        lnp.fill_next_token_bitmask(matcher, bitmask, 0)
+        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist()) - {EOS}
+
+    return matcher, mask
+
+
+COMPARED = [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"enum": ["x", "yy", 3]}}, "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "minItems": 1, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,5}$"}, "t": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
+        "required": ["s"],
+        "additionalProperties": False,
+    },
+    # A string with length bounds holds no escapes here: see test_difference_string_escapes.
+    {**NESTED, "properties": {**NESTED["properties"], "note": {"type": "string", "pattern": "^[a-z]{0,3}$"}}},
+]
+
+
+@pytest.mark.parametrize("schema", COMPARED, ids=range(len(COMPARED)))
+def test_masks_equal_llguidance_on_random_prefixes(tok, lltok, schema):
+    """Equal, except where llguidance forces the next bytes: then it allows only the
+    tokens of their canonical split (`{"` for `{"a":`), and we allow any token that
+    spells a prefix of them (`{` too): see the next test."""
+    a = eqrope.JsonSchema(schema).compile(tok)
+    rng, spelled, dist = random.Random(2), tok.token_bytes(), distances(a)
+    compared = 0
+    for _ in range(30):
+        matcher, mask = masks(lltok, schema)
+        s = 0
+        while True:
+            ours, theirs, forced = allowed(a, s), mask(), matcher.compute_ff_bytes()
+            assert theirs <= ours
+            assert all(forced.startswith(spelled[t]) for t in ours - theirs), (ours - theirs, forced)
+            compared += 1
+            if a.accepting[s] and (not ours or rng.random() < 0.25):
+                assert matcher.is_accepting()
+                break
+            options = sorted(ours) if rng.random() < 0.5 else [t for t in ours if dist[step(a, s, t)] < dist[s]]
+            t = rng.choice(options)
+            assert matcher.consume_token(t)
+            s = step(a, s, t)
+    assert compared > 100
+
+
+def _after(a, lltok, schema, ids):
+    matcher, mask = masks(lltok, schema)
+    s = 0
+    for t in ids:
+        assert t in allowed(a, s)
+        assert matcher.consume_token(t)
+        s = step(a, s, t)
+    return allowed(a, s), mask(), matcher
+
+
+def test_difference_forced_bytes(tok, raw, lltok):
+    """Where the schema forces `{"a":`, llguidance allows only its canonical first token;
+    we allow every token that spells a prefix of it, `{` among them."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    ours, theirs, matcher = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, [])
+    brace, brace_quote = raw.token_to_id("{"), raw.token_to_id('{"')
+    assert matcher.compute_ff_bytes() == b'{"a":'
+    assert {brace, brace_quote} <= ours and brace_quote in theirs and brace not in theirs
+
+
+def test_difference_string_escapes(tok, raw, lltok):
+    """After a backslash in a string we allow `\\/` but never `\\u` (no `\\uXXXX` escapes);
+    llguidance the other way round. Both are valid JSON. A string with length bounds holds
+    no escapes here."""
+    schema = {"type": "string"}
+    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, raw.encode('"\\').ids)
+    slash, u = raw.token_to_id("/"), raw.token_to_id("u")
+    assert slash in ours and slash not in theirs
+    assert u in theirs and u not in ours
+    assert ours - {slash} <= theirs
+    bounded = {"type": "string", "maxLength": 5}  # no escapes at all (outlines-core is slow to build them)
+    ours, theirs, _ = _after(eqrope.JsonSchema(bounded).compile(tok), lltok, bounded, raw.encode('"').ids)
+    backslash = raw.token_to_id("\\")
+    assert backslash in theirs and backslash not in ours and ours <= theirs
+
+
+def test_difference_exponent_sign(tok, raw, lltok):
+    """A number's exponent needs its sign here (`1e+5`, as outlines-core writes it);
+    llguidance also allows `1e5`."""
+    schema = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"], "additionalProperties": False}
+    ids = [t for c in '{"n":1e' for t in raw.encode(c).ids]
+    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
+    plus, five = raw.token_to_id("+"), raw.token_to_id("5")
+    assert plus in ours and plus in theirs and five in theirs and five not in ours
+
+
+def test_an_accepting_state_may_go_on(tok, raw, lltok):
+    """outlines-core 0.2.14 keeps, out of a state where its regex matches, only the tokens
+    that lead to another such state: after a top-level `1` no `.`, after `no` no `t` of
+    `nothing`. With the END marker no state but the last matches: `.` is allowed, as in
+    llguidance."""
+    schema = {"type": "number"}
+    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, [raw.token_to_id("1")])
+    dot = raw.token_to_id(".")
+    assert dot in ours and ours == theirs
+    plain = oc.Index("1(x5)?", oc.Vocabulary(EOS, {b: [i] for i, b in enumerate(tok.token_bytes()) if b}))
+    one = raw.token_to_id("1")
+    assert plain.get_allowed_tokens(plain.get_next_state(plain.get_initial_state(), one)) == [EOS]
+    a = eqrope.Regex("1(x5)?").compile(tok)
+    assert allowed(a, step(a, 0, one)) == {raw.token_to_id("x")} and a.accepting[step(a, 0, one)]
+    a = eqrope.Choice(["no", "nothing"]).compile(tok)
+    s = 0
+    for t in raw.encode("no").ids:
+        s = step(a, s, t)
+    assert a.accepting[s] and allowed(a, s)
+
+
+def test_difference_day_of_month(tok, raw, lltok):
+    """A `date` allows days 01-31 in every month; llguidance knows each month's length."""
+    schema = {"type": "string", "format": "date"}
+    ids = [t for c in '"2023-02-' for t in raw.encode(c).ids]
+    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
+    three = raw.token_to_id("3")
+    assert three in ours and three not in theirs
+
+
+def test_difference_additional_properties(tok, raw, lltok):
+    """Without `additionalProperties: false` llguidance may add properties; we write only
+    the listed ones (a subset of the valid texts)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    ids = [t for c in '{"a":1' for t in raw.encode(c).ids]
+    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
+    comma = raw.token_to_id(",")
+    assert comma in theirs and comma not in ours
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "integer", "minimum": 3}, ["'minimum'", "/minimum"]),
+        ({"not": {"type": "null"}}, ["'not'", "/not"]),
+        ({"type": "object", "patternProperties": {"a": {}}}, ["'patternProperties'"]),
+        ({"type": "object", "properties": {"e": {"type": "string", "format": "email"}}}, ["'email'", "/properties/e/format"]),
+        ({"allOf": [{"type": "integer"}]}, ["'allOf'"]),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, ["'prefixItems'"]),
+        ({"type": "string", "pattern": "^.+$"}, ["pattern", "escape"]),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, ["'oneOf'", "anyOf"]),
+        ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, ["'additionalProperties'"]),
+        ({"type": "string", "maxLength": 3, "pattern": "a"}, ["maxLength", "pattern"]),
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, ["'required'"]),
+        ({"enum": [[1]]}, ["'enum'", "/enum/0"]),
+        ({"enum": [1], "type": 5}, ["'type' must be one of", "/type"]),
+        ({"enum": [True], "type": "integer"}, ["not of the schema's type", "/enum/0"]),
+        ({"type": "object", "properties": {'a"b': {}}}, ["needs escaping"]),
+        ({"$ref": "https://example.com/s.json"}, ["local references"]),
+        ({"type": "integer", "maxLength": 3}, ["'maxLength'", "does not apply"]),
+    ],
+)
+def test_refused_keywords_are_named(tok, schema, words):
+    with pytest.raises(ValueError) as e:
+        eqrope.JsonSchema(schema).compile(tok)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_outlines_alone_would_ignore_minimum(tok):
+    """Why the allow-list: outlines-core builds a regex that ignores `minimum`."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    assert re.fullmatch(build_regex_from_schema(json.dumps({"type": "integer", "minimum": 3})), "0")
+
+
+def test_the_state_budget_names_its_argument(tok):
+    with pytest.raises(ValueError, match="max_states=20"):
+        eqrope.JsonSchema({"type": "string", "maxLength": 40}, max_states=20).compile(tok)
+    assert eqrope.JsonSchema({"type": "string", "maxLength": 40}).compile(tok).accepting.size > 20
+    with pytest.raises(ValueError, match=r"max_states \(default 4096\) must be a positive int"):
+        eqrope.Regex("a", max_states=0)
+
+
+def _tiny():
+    import tokenizers
+    from tokenizers import decoders, models
+
+    words = tokenizers.Tokenizer(models.BPE({"a": 0, "b": 1, "aa": 2}, [("a", "a")]))
+    words.decoder = decoders.ByteLevel()
+    tok = eqrope.Tokenizer(words)
+    assert tok.token_bytes() == [b"a", b"b", b"aa"]
+    return tok
+
+
+def test_a_choice_is_not_hidden_by_a_shorter_one():
+    """outlines-core's index of `(?:)|(?:a)` alone never writes `a` (its start state
+    matches already); with the END marker it does."""
+    a = eqrope.Choice(["", "a"]).compile(_tiny())
+    assert a.accepting[0] and allowed(a, 0) == {0} and a.accepting[step(a, 0, 0)]
+
+
+def test_dead_ends_are_pruned_and_an_empty_language_refused():
+    """With the tokens `a`, `b`, `aa` only, `a*c|b` can write `b` alone: outlines-core keeps
+    the state after `a` (it loops on `a` and never accepts); the export drops it."""
+    tok = _tiny()
+    a = eqrope.Regex("a*c|b").compile(tok)
+    assert allowed(a, 0) == {1} and a.accepting.tolist() == [False, True]
+    with pytest.raises(ValueError, match="accepts no text this tokenizer can write"):
+        eqrope.Regex("a*c").compile(tok)
+
+
+def test_the_extra_is_named_without_outlines_core(tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "outlines_core", None)
+    from eqrope.structured import _compile
+
+    _compile._byte_vocabulary.cache_clear()
+    with pytest.raises(ImportError, match=re.escape('pip install "eqrope[structured]"')):
+        eqrope.Regex("never compiled before [0-9]").compile(tok)
+    _compile._byte_vocabulary.cache_clear()
+
+
+def test_importing_eqrope_does_not_import_outlines_core():
+    code = "import sys, eqrope; assert 'outlines_core' not in sys.modules and 'llguidance' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
