@@ -209,8 +209,11 @@ def test_next_states_equal_a_linear_search_of_the_exceptions():
 # -- compiles ----------------------------------------------------------------------------------
 
 
-def test_new_automata_within_the_capacity_compile_nothing(model, caplog):
+def test_new_automata_within_the_capacity_compile_nothing(model, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="eqrope")
+    # The line names what differs from the closest program compiled before: with no other
+    # test's programs in the record, that is the unconstrained call just before.
+    monkeypatch.setattr("eqrope.generation._compile_lines._SEEN", {})
     ids = prompts(3, seed=5)  # a batch no other test runs: a new program, named by what is new
     eqrope.generate(model, ids, 6, eos_id=EOS)
     caplog.clear()
