@@ -7,9 +7,16 @@ the one-device engine and from each mesh's, what each mesh engine compiled after
 `warmup`, its pool after the last request, where its arrays lie and which shards its
 requests ran on. Runs with the test session's checks (jaxtyping + beartype on eqrope,
 strict dtype promotion).
+
+With `--process I --of 2 --coordinator localhost:PORT` (4 devices per process) it is one
+of two processes joined by `jax.distributed.initialize`: one engine on a (4,2) mesh over
+both, process 0 leading (`eqrope.serving.lead`) and process 1 following; process 0
+prints its tokens beside the one-device engine's, which the 8-device run saved
+(`--save FILE` there, `--reference FILE` here).
 """
 
 import json
+import sys
 
 import jax
 from jaxtyping import install_import_hook
@@ -18,6 +25,7 @@ from jaxtyping import install_import_hook
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 with install_import_hook("eqrope", "beartype.beartype"):
     import eqrope
+    import eqrope.serving
     from eqrope.generation._arrays import rebuild
 
 import numpy as np
@@ -63,12 +71,15 @@ def local(x) -> list:
     return list(x.sharding.shard_shape(x.shape))
 
 
-def main():
+def main(save: str | None):
     assert jax.device_count() == 8, jax.devices()
     model = random_model(0, VOCAB, 64, 8, 2, MAX_LEN, n_kv_heads=8, d_ff=128)
     prompts, configs, keys = requests()
     reference = tokens(eqrope.Engine(model, **ENGINE).generate(prompts, configs, keys=keys))
     report = {"devices": jax.device_count(), "reference": reference, "meshes": {}}
+    if save:
+        with open(save, "w") as file:
+            json.dump(reference, file)
     for data, width in MESHES:
         mesh = eqrope.make_mesh(data, width)
         engine = eqrope.Engine(model, mesh=mesh, decode_buckets=(SLOTS // data,), **ENGINE)
@@ -95,5 +106,30 @@ def main():
     print("RESULT " + json.dumps(report))
 
 
+def processes(process: int, count: int, coordinator: str, reference: str) -> None:
+    jax.distributed.initialize(coordinator, num_processes=count, process_id=process)
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    model = random_model(0, VOCAB, 64, 8, 2, MAX_LEN, n_kv_heads=8, d_ff=128)
+    prompts, configs, keys = (part[:6] for part in requests())
+    engine = eqrope.Engine(model, mesh=eqrope.make_mesh(4, 2), decode_buckets=(SLOTS // 4,), **ENGINE)
+    report = {"process": jax.process_index(), "count": jax.process_count()}
+    if process == 0:
+        with open(reference) as file:
+            reference = json.load(file)[: len(prompts)]
+        eqrope.serving.lead(engine)
+        engine.warmup()
+        report |= {"tokens": tokens(engine.generate(prompts, configs, keys=keys)), "reference": reference,
+                   "pages_free": engine.stats.pages_free, "pages_total": engine.stats.pages_total}  # fmt: skip
+        eqrope.serving.dismiss(engine)
+    else:
+        eqrope.serving.follow(engine)
+    print("RESULT " + json.dumps(report))
+    jax.distributed.shutdown()
+
+
 if __name__ == "__main__":
-    main()
+    option = lambda name: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+    if option("--process") is not None:
+        processes(int(option("--process")), int(option("--of")), option("--coordinator"), option("--reference"))
+    else:
+        main(option("--save"))

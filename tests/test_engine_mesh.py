@@ -3,10 +3,15 @@
 The `multidevice` test runs `tests/engine_mesh_checks.py` once, in a subprocess with 8
 virtual CPU devices, for (8,1), (2,4) and (1,8) meshes: every request's tokens (greedy,
 sampled with its key, penalties, EOS ids, two samples of one prompt) equal the one-device
-engine's, every page is back in its shard's pool, nothing compiles after `warmup`, and
-the arrays lie where the rules say. The other tests need one device.
+engine's, every page is back in its shard's pool, nothing compiles after `warmup`, the
+arrays lie where the rules say, and the requests spread over the shards. A second
+`multidevice` test runs it as two processes of 4 devices under `jax.distributed`, one
+engine over both (process 0 leading, `eqrope.serving.lead`/`follow`), against the same
+one-device tokens. The other tests need one device.
 """
 
+import concurrent.futures
+import socket
 import subprocess
 import sys
 
@@ -24,9 +29,14 @@ SCRIPT = str(ROOT / "tests" / "engine_mesh_checks.py")
 
 
 @pytest.fixture(scope="module")
-def report():
+def reference_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine_mesh") / "reference.json"
+
+
+@pytest.fixture(scope="module")
+def report(reference_file):
     proc = subprocess.run(
-        [sys.executable, SCRIPT], env=cpu_env(8), cwd=ROOT / "tests", capture_output=True, text=True, timeout=900
+        [sys.executable, SCRIPT, "--save", str(reference_file)], env=cpu_env(8), cwd=ROOT / "tests", capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = parse(proc.stdout)
@@ -72,6 +82,72 @@ def test_mesh_engines_place_slots_pages_and_weights(report):
     # Requests spread over the shards: every shard of the (8,1) mesh served some.
     assert sorted(set(runs["8,1"]["admitted_to"])) == list(range(8))
     assert sorted(set(runs["2,4"]["admitted_to"])) == [0, 1]
+
+
+@pytest.mark.multidevice
+def test_two_processes_serve_as_one_engine(report, reference_file):
+    """Two processes of 4 CPU devices under `jax.distributed`, one engine on a (4,2) mesh
+    over both: process 0 decides and reads, process 1 replays its device calls; the
+    tokens equal the one-device engine's."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+
+    def run(i):  # `subprocess.run` kills a process past its timeout
+        command = [sys.executable, SCRIPT, "--process", str(i), "--of", "2", "--coordinator",
+                   f"localhost:{port}", "--reference", str(reference_file)]  # fmt: skip
+        return subprocess.run(command, env=cpu_env(4), cwd=ROOT / "tests", capture_output=True, text=True, timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(run, range(2)))
+    for proc in done:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [parse(proc.stdout) for proc in done]
+    assert [(r["process"], r["count"]) for r in results] == [(0, 2), (1, 2)]
+    leader = results[0]
+    assert leader["reference"] == report["reference"][:6]  # the 8-device run's one-device engine
+    assert leader["tokens"] == leader["reference"]
+    assert leader["pages_free"] == leader["pages_total"]
+
+
+@pytest.mark.multidevice
+def test_two_processes_serve_http_as_one_server(tmp_path, monkeypatch):
+    """`python -m eqrope.serve` as a `jax.distributed` job of two processes of 4 CPU
+    devices on an (8,1) mesh: process 0 answers HTTP, process 1 follows; greedy
+    completions of token prompts equal `eqrope.generate`'s, and both exit 0 on SIGTERM."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from _serve import free_port, serve, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "checkpoint", max_len=64)
+    env = cpu_env(4)
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # `serve` starts its process with os.environ
+        monkeypatch.setenv(name, env[name])
+    common = ["--slots", "8", "--max-len", "64", "--mesh", "8,1", "--coordinator", f"localhost:{free_port()}",
+              "--num-processes", "2"]  # fmt: skip
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "eqrope.serve", str(checkpoint), "--port", str(free_port()), *common, "--process-id", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    prompts = [[0, 5, 6, 7, 8], [0, 9, 10], [0, 11, 12, 13]]
+    try:
+        with serve(checkpoint, *common, "--process-id", "0", log_dir=tmp_path) as served:
+            body = {"model": "", "prompt": prompts, "max_tokens": 8, "temperature": 0}
+            answer = httpx.post(served.url + "/v1/completions", json=body, timeout=300).json()
+        assert served.process.returncode == 0, served.text()
+        log, _ = follower.communicate(timeout=120)
+        assert follower.returncode == 0, log[-4000:]
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+    model, tokenizer = eqrope.from_hf(checkpoint), eqrope.Tokenizer.from_pretrained(checkpoint)
+    texts = {c["index"]: c["text"] for c in answer["choices"]}
+    for i, prompt in enumerate(prompts):
+        new = np.asarray(eqrope.generate(model, np.asarray(prompt, np.int32), 8, eos_id=1))[len(prompt) :].tolist()
+        new = new[: new.index(1)] if 1 in new else new
+        assert texts[i] == tokenizer.decode(new, skip_special_tokens=True), (i, texts[i])
 
 
 # -- one device: the layout and the arguments ----------------------------------------------

@@ -89,7 +89,8 @@ def mesh_programs(mesh: Mesh, data, pool_at: NamedSharding, text_at: NamedShardi
         pool, text, view = per_shard(body, specs, (blocks, rows, rows))(
             arrays, pool, text, slots, live, tables, sampling, keys, max_new, steps, exit_after, check_finite
         )
-        return pin(pool, pool_at), pin(text, text_at), view
+        # Over several processes, process 0 reads every row (`_processes.py`).
+        return pin(pool, pool_at), pin(text, text_at), view if jax.process_count() == 1 else pin(view, replicated)
 
     @functools.partial(jax.jit, donate_argnames=("pool",))
     def copy(pool, sources, targets):
