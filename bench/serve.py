@@ -5,6 +5,9 @@
     python bench/serve.py --tiny --out /tmp/x   # tiny sizes (for the tests)
     python bench/serve.py --save           # update the committed bench/results/
     python bench/serve.py --http           # the same engine over HTTP (python -m eqrope.serve)
+    python bench/serve.py --shape qwen2.5-0.5b   # the Qwen2.5-0.5B shape instead (bench/gpu_serve_check.sh)
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/serve.py --mesh 8,1
+                                           # the engine on a (data, model) mesh against one device
 
 The workload (issue 39): prompts of 32 random ids, each asking for a number of new tokens
 drawn from a log-normal (median 64, sigma 0.8, clipped to 16-512), in arrival order,
@@ -30,6 +33,13 @@ flight after every step, and the XLA compiles after the warm-up. `first_token`: 
 unrolled floor's one-pass prefill of it (bench/_floor.py), timed in rounds.
 Every request's tokens are compared with `generate` of it alone (greedy); targets are
 reported, never asserted.
+
+`--mesh DATA,MODEL` (issue 45) runs the continuous part's requests instead on the
+one-device engine and on `eqrope.Engine(..., mesh=eqrope.make_mesh(DATA, MODEL))` of the
+same total slot count (at least `DATA`), each warmed up, and writes `serve_mesh_*.json`:
+each one's tokens per second, compiles after warm-up, whether their tokens are equal, and
+the ratio. On forced CPU devices, which share the same cores, the ratio bounds the
+overhead of the sharded programs (target >= 0.9 at (8,1)), not their speed-up.
 """
 
 import argparse
@@ -46,7 +56,7 @@ import _http
 import eqrope
 from _floor import floor_prefill_unrolled, floor_weights, unrolled_weights
 from _report import target, verdict
-from _shapes import SMOLLM2_135M, eqrope_config
+from _shapes import QWEN25_05B, SMOLLM2_135M, eqrope_config
 from _timing import add_output_arguments, compiled_functions, log, machine_info, results_folder, time_calls, without_result, write_json
 from _vllm_peer import best_of_threads, find_vllm_python
 
@@ -182,20 +192,70 @@ def warm_engine(model, cfg, mode, slots) -> tuple:
     return engine, warm
 
 
+def mesh_main(args, mode: str, cfg: dict, result: dict) -> None:
+    """`--mesh DATA,MODEL`: the engine on the mesh against one device, the same requests and slots."""
+    data, width = args.mesh
+    if jax.device_count() < data * width:
+        raise SystemExit(f"--mesh {data},{width} needs {data * width} devices, found {jax.device_count()}; on a CPU "
+                         f"run with XLA_FLAGS=--xla_force_host_platform_device_count={data * width}.")
+    model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=jax.random.key(0))
+    prompts, news = workload(cfg, cfg["requests"], seed=0)
+    slots = -(-max(cfg["slots"], data) // data) * data
+    settings = dict(ENGINE[mode], pages=data * ((ENGINE[mode]["pages"] - 1) // data + 1))
+    log(f"[{mode}] mesh ({data}, {width}) against one device: {len(prompts)} requests, {slots} slots")
+    runs, tokens = {}, {}
+    for name, mesh in (("one_device", None), (f"mesh_{data}x{width}", eqrope.make_mesh(data, width))):
+        engine = eqrope.Engine(model, slots=slots, max_len=cfg["max_len"], mesh=mesh, **settings)
+        start = time.perf_counter()
+        programs = engine.warmup()
+        run = engine_run(engine, prompts, news)
+        tokens[name] = run.pop("tokens")
+        runs[name] = run | {"warmup": {"programs": programs, "wall_s": time.perf_counter() - start - run["wall_s"]}}
+        log(f"  {name}: {run['tokens_per_s']:.1f} useful tokens/s, {run['compiles_after_warmup']} compiles")
+    one, meshed = (runs[k]["tokens_per_s"] for k in runs)
+    same = sum(a == b for a, b in zip(*tokens.values()))
+    compiles = sum(r["compiles_after_warmup"] for r in runs.values())
+    result["mesh"] = {"data": data, "model": width, "slots": slots, "requests": len(prompts),
+                      "new_tokens": news, "engine_settings": settings, "runs": runs,
+                      "tokens_equal": same, "ratio": meshed / one}  # fmt: skip
+    result["targets"] = [
+        target(f"mesh ({data}, {width}) / one device, useful tokens/s", ">= 0.9", meshed / one, meshed / one >= 0.9),
+        target("tokens equal the one-device engine's (greedy)", f"{len(prompts)}/{len(prompts)}", same,
+               same == len(prompts)),
+        target("XLA compiles after warm-up", "<= 0", compiles, compiles == 0),
+    ]  # fmt: skip
+    result["loadavg"]["end"] = os.getloadavg()
+    name = f"serve_mesh_{jax.default_backend()}.json"
+    path = write_json(results_folder(args.save) / name if args.out is None else os.path.join(args.out, name), result)
+    for t in result["targets"]:
+        print(f"  {t['name']:<56} {t['target']:>8} {t['measured']:>8.3g}  {verdict(t['met'])}")
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_const", dest="mode", const="tiny")
+    parser.add_argument("--shape", choices=["smollm2", "qwen2.5-0.5b"], default="smollm2",
+                        help="the published shape of the default mode's model (random weights)")
+    parser.add_argument("--mesh", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
+                        metavar="DATA,MODEL", help="the engine on this mesh against one device (see above)")
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--http", action="store_true", help="the engine over HTTP instead (_http.py)")
     add_output_arguments(parser, "folder for serve_cpu.json")
     args = parser.parse_args(argv)
     mode = args.mode or "default"
-    cfg = MODES[mode]
+    cfg = dict(MODES[mode])
+    if args.shape == "qwen2.5-0.5b":
+        if mode == "tiny":
+            parser.error("--shape sets the default mode's model; --tiny has its own tiny shape.")
+        cfg["shape"] = eqrope_config(QWEN25_05B, max_len=cfg["max_len"])
     result = {"mode": mode, "machine": machine_info(), "loadavg": {"start": os.getloadavg()},
               "workload": {k: v for k, v in cfg.items() if k != "shape"}, "shape": cfg["shape"],
               "engine_settings": dict(ENGINE[mode], max_len=cfg["max_len"], decode_buckets=BUCKETS[mode])}
     if args.http:
         return http_main(args, mode, cfg, result)
+    if args.mesh is not None:
+        return mesh_main(args, mode, cfg, result)
     model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=jax.random.key(0))
 
     # Part 1: continuous batching against static batches of the same slot count.
@@ -251,8 +311,8 @@ def main(argv=None):
                result["first_token"]["ratio"], result["first_token"]["ratio"] <= 1.2),
     ]
     result["loadavg"]["end"] = os.getloadavg()
-    path = write_json(results_folder(args.save) / "serve_cpu.json" if args.out is None else
-                      os.path.join(args.out, "serve_cpu.json"), result)
+    name = f"serve_{jax.default_backend()}.json"  # serve_cpu.json, serve_gpu.json
+    path = write_json(results_folder(args.save) / name if args.out is None else os.path.join(args.out, name), result)
     print(report(result))
     print(f"wrote {path}")
 

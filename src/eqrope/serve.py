@@ -10,6 +10,11 @@ uvicorn. SIGTERM or Ctrl-C stops taking requests, lets those in flight finish fo
 `--drain-timeout` seconds, and exits 0. Needs the `[serve]` extra:
 `pip install "eqrope[serve]"`. docs/serving.md shows it with curl, the `openai` client and
 lm-eval.
+
+With `--mesh DATA,MODEL` the engine runs on that mesh of the devices; with
+`--coordinator HOST:PORT --num-processes N --process-id I` as one of N processes joined by
+`jax.distributed` on a mesh over all of them: process 0 serves HTTP, the others run the
+same engine's device calls (`eqrope.serving.follow`) until it stops.
 """
 
 import argparse
@@ -46,7 +51,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish the requests in flight on SIGTERM")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="compile every engine program before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--mesh", type=_pair, default=None, metavar="DATA,MODEL",
+                   help="run the engine on a (data, model) mesh of the devices (of every process)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="join a jax.distributed job (process 0's address)")
+    p.add_argument("--num-processes", type=int, default=1, help="processes of the jax.distributed job")
+    p.add_argument("--process-id", type=int, default=0, help="this process's index: 0 serves HTTP, the others follow")
     return p
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        data, model = (int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes DATA,MODEL (two device counts, e.g. 8,1), got {text!r}") from None
+    return data, model
 
 
 def defaults_of(folder: Path) -> dict:
@@ -77,9 +95,11 @@ def main(argv: list[str] | None = None) -> None:
             f"python -m eqrope.serve needs the [serve] extra ({e.name} is missing): "
             'pip install "eqrope[serve]"'
         ) from e
+    import jax
     import jax.numpy as jnp
 
     from ._checks import check_path
+    from .sharding import make_mesh
     from .text import Tokenizer
     from .weights import from_hf
 
@@ -87,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     # up to the switch interval (5 ms by default) for the other to drop it. A short one
     # lets a first token leave soon after its step (measured: 1-2 ms of first-token time).
     sys.setswitchinterval(0.0005)
+    if args.coordinator is not None:
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    elif args.num_processes != 1 or args.process_id != 0:
+        raise SystemExit("python -m eqrope.serve: --num-processes and --process-id need --coordinator HOST:PORT.")
+    if jax.process_count() > 1 and args.mesh is None:
+        raise SystemExit("python -m eqrope.serve: several processes share one engine on a mesh; pass --mesh DATA,MODEL.")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     folder = check_path(args.checkpoint, "CHECKPOINT_DIR")
     if not folder.is_dir():
@@ -96,11 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_pretrained(folder)
     name = args.served_model_name or folder.resolve().name
     try:
+        mesh = None if args.mesh is None else make_mesh(*args.mesh)
+        if jax.process_index() != 0:
+            return _follow(model, args, mesh)
         server = Server(
             model, tokenizer, name=name, source=str(folder), slots=args.slots, max_len=args.max_len,
             page_size=args.page_size, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
             max_waiting=args.max_waiting, api_key=args.api_key, defaults=defaults_of(folder),
-            warmup=args.warmup,
+            warmup=args.warmup, mesh=mesh,
         )  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"python -m eqrope.serve: {e}") from None
@@ -113,6 +142,22 @@ def main(argv: list[str] | None = None) -> None:
         build_app(server), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.drain_timeout,
     )  # fmt: skip
+    server.close()
+
+
+def _follow(model, args, mesh) -> None:
+    """A process other than 0: the server's engine, its device calls made as process 0 makes them."""
+    import jax
+
+    from .serving import Engine, follow
+    from .serving.server._server import engine_arguments
+
+    engine_args = engine_arguments(
+        model, args.slots, args.max_len, args.page_size, args.prefill_chunk, args.decode_steps, args.max_waiting, mesh
+    )
+    make = lambda: Engine(model, **engine_args)
+    logging.getLogger("eqrope.serving").info("process %d follows process 0's engine", jax.process_index())
+    follow(make(), rebuild=make)
 
 
 if __name__ == "__main__":

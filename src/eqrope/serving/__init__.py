@@ -5,4 +5,5 @@ compiled programs over the pool (`_programs.py`). Uses `generation/` and `model/
 """
 
 from ._engine import Engine as Engine
+from ._processes import dismiss as dismiss, follow as follow, lead as lead
 from ._sequence import Completion as Completion, EngineStats as EngineStats, Event as Event

@@ -5,6 +5,7 @@ page: admit waiting requests (`_scheduler.py`), run one prefill call of a few pr
 pieces, put prompts that are done into slots (their first token), run one compiled chunk
 of decode steps over the running slots, and report what each sample added. Finished
 samples free their slot and pages between chunks, and the next waiting request takes them.
+With a `mesh`, the slots and the pool are split over the data shards (`_mesh_layout.py`).
 """
 
 import itertools
@@ -16,6 +17,7 @@ from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._sampling import stack_rows
+from ._mesh_layout import by_shard, check_pages, data_shards, decode_slots, place_rows
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
 from ._runner import Runner
@@ -35,9 +37,10 @@ class Engine:
       unstacked form).
     - `slots`: how many samples decode at once.
     - `page_size`: rows (positions) per page of the key/value pool.
-    - `pages`: pages in the pool, the null page included. `None` sizes it from
-      `kv_memory`, or, without it, for every slot at `max_len` (no request ever waits for
-      pages while a slot is free): `slots * max_len / page_size + 1`.
+    - `pages`: pages in the pool, the null page (one per data shard) included. `None`
+      sizes it from `kv_memory`, or, without it, for every slot at `max_len` (no request
+      ever waits for pages while a slot is free): `slots * max_len / page_size + 1` (a
+      null page per data shard on a mesh).
     - `kv_memory`: a budget in bytes for the pool's keys and values (with `pages=None`).
     - `max_len`: the most positions of one sample (prompt plus new tokens); `None`: the
       model's. A multiple of `prefill_chunk`.
@@ -49,7 +52,8 @@ class Engine:
     - `decode_steps`: the most decode steps of one compiled chunk; a chunk ends early
       when a sample finishes while a request waits for its slot.
     - `decode_buckets`: the slot counts the decode program is compiled for (default:
-      powers of two up to `slots`); a chunk runs the smallest that holds the running samples.
+      powers of two up to `slots`); a chunk runs the smallest that holds the running
+      samples. On a mesh: slot counts of one data shard (up to `slots / D`).
     - `max_waiting`: the most requests waiting for admission; `submit` refuses more.
     - `max_eos_ids`, `max_bad_ids`, `max_stop`, `max_stop_len`: the most ids one request
       may carry (shapes of the programs).
@@ -59,6 +63,10 @@ class Engine:
       default) refuses them and costs nothing (docs/serving.md).
     - `check_finite`: stop a sample whose logits hold a NaN or an infinity
       (`finish_reason` `"nonfinite"`).
+    - `mesh`, `rules`: a device mesh ([`eqrope.make_mesh`][]) and its
+      [`eqrope.ShardingRules`][] (`None`: the defaults): the weights over the `model`
+      axis, the slots and the pool's pages split over the `data` axis in `D` shards
+      (`slots` and `pages` multiples of `D`), each request on one shard (docs/serving.md).
     """
 
     def __init__(
@@ -83,6 +91,8 @@ class Engine:
         max_stop_string_bytes: IntLike = 16,
         max_stop_string_tokens: IntLike = 256,
         check_finite: bool = True,
+        mesh=None,
+        rules=None,
     ):
         if not hasattr(model, "unstacked") or not hasattr(model, "config"):
             raise TypeError(f"model must be an eqrope.RotaryDecoder, got {type(model).__name__}.")
@@ -109,22 +119,22 @@ class Engine:
             max_stop_string_tokens,
         )  # fmt: skip
         self.max_pages = self.max_len // self.page_size
-        if pages is None:
-            pages = (
-                self.slots * self.max_pages + 1
-                if kv_memory is None
-                else pool_pages(check_int(kv_memory, "kv_memory", minimum=1), config, self.page_size)
-            )
-        pages = check_int(pages, "pages", minimum=2)
+        self.shards = data_shards(mesh, rules, self.slots)
+        if pages is None:  # `kv_memory` is a budget: the most pages it holds that the shards split
+            budget = None if kv_memory is None else check_int(kv_memory, "kv_memory", minimum=1)
+            pages = self.slots * self.max_pages + self.shards if budget is None else pool_pages(budget, config, self.page_size)
+            pages -= pages % self.shards
+        per_shard = check_pages(check_int(pages, "pages", minimum=2), self.shards)
         self.vocab = config.vocab_size
         self.runner = Runner(
             model, slots=self.slots, pages=pages, page_size=self.page_size, max_len=self.max_len,
-            chunk=self.prefill_chunk,
+            chunk=self.prefill_chunk, mesh=mesh, rules=rules, shards=self.shards,
         )  # fmt: skip
-        self.scheduler = Scheduler(PagePool(pages, self.page_size), self.slots, self.prefill_chunk, self.max_waiting)
+        pools = [PagePool(per_shard, self.page_size, first=d * per_shard) for d in range(self.shards)]
+        self.scheduler = Scheduler(pools, self.slots, self.prefill_chunk, self.max_waiting)
         self.prefill_sizes = _powers(min(16, self.prefill_chunk), self.prefill_chunk)
         self.prefill_buckets = _powers(1, self.prefill_rows)
-        self.decode_buckets = check_buckets(decode_buckets, self.slots)
+        self.decode_buckets = check_buckets(decode_buckets, self.slots // self.shards)
         self._idle = idle_sampling(self.vocab, self.caps)
         self._sampling = [self._idle] * self.slots
         self._keys = np.zeros((self.slots, 2), np.uint32)
@@ -153,8 +163,8 @@ class Engine:
         prompt, config = request_config(prompt, config, settings, self.vocab, self.max_len)
         sampling = request_sampling(config, self.vocab, self.caps)
         samples = config.num_samples
-        if (samples or 1) > self.slots:
-            raise ValueError(f"num_samples={samples} is more than the engine's {self.slots} slots.")
+        if (samples or 1) > self.slots // self.shards:  # a request's samples share a data shard
+            raise ValueError(f"num_samples={samples} is more than the {self.slots // self.shards} slots of a data shard.")
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise RuntimeError(
                 f"the engine's waiting queue is full ({self.max_waiting} requests); step() until "
@@ -166,12 +176,12 @@ class Engine:
             request_id, prompt, config, sampling, config.max_new, sample_keys(key, samples),
             page_hashes(prompt.tolist(), self.page_size),
         )  # fmt: skip
-        worst = self.scheduler.worst_case(request)
-        if worst > self.scheduler.pool.n_pages - 1:
+        worst, room = self.scheduler.worst_case(request), self.scheduler.pools[0].n_pages - 1
+        if worst > room:
             raise ValueError(
                 f"the request needs up to {worst} pages of {self.page_size} positions, but the "
-                f"pool holds {self.scheduler.pool.n_pages - 1}; lower max_new or num_samples, or "
-                "build the Engine with more pages."
+                f"pool{' of a data shard' if self.shards > 1 else ''} holds {room}; lower "
+                "max_new or num_samples, or build the Engine with more pages."
             )
         self._requests[request_id] = request
         self.scheduler.waiting.append(request)
@@ -232,16 +242,7 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        pool, scheduler = self.scheduler.pool, self.scheduler
-        per_page = self.runner.pool.bytes_per_page()
-        return EngineStats(
-            pages_total=pool.n_pages - 1, pages_free=pool.free, pages_used=pool.used,
-            pages_cached=pool.cached, running=len(scheduler.running()),
-            prefilling=len(scheduler.prefilling), waiting=len(scheduler.waiting),
-            tokens_held=scheduler.tokens_held(), kv_bytes_held=pool.used * per_page,
-            kv_bytes_per_token=per_page // self.page_size, prefix_hit_tokens=scheduler.hit_rows,
-            prompt_tokens_computed=self._computed,
-        )  # fmt: skip
+        return self.scheduler.stats(self.runner.pool.bytes_per_page(), self._computed)
 
     def warmup(self) -> int:
         """Compile every program the engine can run (each prefill size and row count,
@@ -251,8 +252,9 @@ class Engine:
             raise RuntimeError("warm up an idle engine, before the first submit.")
         for samples in (None, *range(2, self.slots + 1)):
             sample_keys(jax.random.key(0), samples)
-        shapes = [(rows, size) for rows in self.prefill_buckets for size in self.prefill_sizes]
-        return self.runner.warmup(shapes, self.decode_buckets, self._idle, self.check_finite)
+        shapes = [(self.shards * rows, size) for rows in self.prefill_buckets for size in self.prefill_sizes]
+        decode = [decode_slots(self.scheduler.slots, [[]] * self.shards, n) for n in self.decode_buckets]
+        return self.runner.warmup(shapes, decode, self._idle, self.check_finite)
 
     def has_work(self) -> bool:
         """Whether a request is waiting, prefilling or running, or an event is unreported."""
@@ -301,12 +303,13 @@ class Engine:
         if not scheduler.prefilling:
             return []
         size = self._piece(scheduler.prefilling[0])
-        group = [r for r in scheduler.prefilling if self._piece(r) == size][: self.prefill_rows]
-        rows = next(b for b in self.prefill_buckets if b >= len(group))
+        groups = by_shard([r for r in scheduler.prefilling if self._piece(r) == size], self.shards, lambda r: r.shard)
+        n, placed = place_rows([group[: self.prefill_rows] for group in groups], self.prefill_buckets)
+        rows = n * self.shards
         ids = np.zeros((rows, size), np.int32)
         tables = np.zeros((rows, self.max_pages), np.int32)
         starts, last, live = np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, bool)
-        for r, request in enumerate(group):
+        for r, request in placed:
             start, length = request.prefilled, len(request.prompt)
             piece = request.prompt[start : start + size]
             ids[r, : len(piece)] = piece
@@ -316,7 +319,7 @@ class Engine:
             self._computed += len(piece)
         logits = self.runner.prefill(tables, ids, starts, last, live)
         events = []
-        for r, request in enumerate(group):
+        for r, request in placed:
             request.prefilled = min(request.prefilled + size, len(request.prompt))
             if request.prefilled == len(request.prompt):
                 scheduler.prefilled(request)
@@ -353,14 +356,15 @@ class Engine:
         for sequence in running:
             rows = min(sequence.pos - 1 + steps, sequence.request.end - 1)
             scheduler.grow(sequence, rows, sequence.request)
-        bucket = next(b for b in self.decode_buckets if b >= len(running))
-        idle = [i for i, s in enumerate(scheduler.slots) if s is None or s.finish_reason is not None]
-        rows = [s.slot for s in running] + idle[: bucket - len(running)]
-        tables = np.zeros((bucket, self.max_pages), np.int32)
-        for r, sequence in enumerate(running):
-            tables[r, : len(sequence.pages)] = sequence.pages
-        live = np.arange(bucket) < len(running)
-        # A waiting request takes the first slot that frees: end the chunk there.
+        groups = by_shard(running, self.shards, lambda s: s.request.shard)
+        bucket, placed = place_rows(groups, self.decode_buckets)
+        rows = decode_slots(scheduler.slots, groups, bucket)
+        tables = np.zeros((len(rows), self.max_pages), np.int32)
+        live = np.zeros(len(rows), bool)
+        for r, sequence in placed:
+            tables[r, : len(sequence.pages)], live[r] = sequence.pages, True
+        # A waiting request takes the first slot that frees: end the chunk there (each
+        # shard's loop ends at its first).
         exit_after = 1 if scheduler.waiting else bucket + 1
         sampling = stack_rows([self._sampling[i] if live[r] else self._idle for r, i in enumerate(rows)])
         view = self.runner.decode(
@@ -368,7 +372,7 @@ class Engine:
             self.check_finite,
         )  # fmt: skip
         events = []
-        for r, sequence in enumerate(running):
+        for r, sequence in placed:
             new = slice(sequence.pos, int(view["pos"][r]))
             events += self._read(
                 sequence, view["tokens"][r, new], view["logprobs"][r, new], view["done"][r],

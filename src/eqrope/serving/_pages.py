@@ -44,9 +44,10 @@ def page_hashes(tokens: Sequence[int], page_size: int, extra: Hashable = None) -
 
 
 class PagePool:
-    """Pages `1 .. n_pages - 1` of a device pool of `n_pages` pages of `page_size` rows.
+    """Pages `1 .. n_pages - 1` of a device pool of `n_pages` pages of `page_size` rows
+    (`first + 1 .. first + n_pages - 1` for one data shard's part of a larger pool).
 
-    Page 0 is the null page: padded writes go there, and it is never handed out. Every
+    Page 0 (`first`) is the null page: padded writes go there, and it is never handed out. Every
     other page is in exactly one of three states:
 
     - free: holds nothing anyone will read; `allocate` takes these first, oldest first;
@@ -62,16 +63,18 @@ class PagePool:
 
     - `n_pages`: pages in the device pool, the null page included (>= 2).
     - `page_size`: rows (tokens) per page (>= 1).
+    - `first`: the id of this pool's null page; its pages follow it.
     """
 
-    def __init__(self, n_pages: int, page_size: int):
+    def __init__(self, n_pages: int, page_size: int, first: int = 0):
         if n_pages < 2:
             raise ValueError(f"n_pages must be >= 2 (page 0 is the null page), got {n_pages}.")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}.")
         self.n_pages = n_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, n_pages))  # uncached, no reference
+        self.first = first
+        self._free: deque[int] = deque(range(first + 1, first + n_pages))  # uncached, no reference
         self._refs: dict[int, int] = {}  # page -> reference count (> 0)
         self._page_of: dict[int, int] = {}  # hash -> page
         self._hash_of: dict[int, int] = {}  # page -> hash
@@ -173,7 +176,7 @@ class PagePool:
             raise AssertionError(f"the free list holds duplicates: {list(self._free)}")
         if free & held or free & evictable or held & evictable:
             raise AssertionError(f"a page in two states: {free=}, {held=}, {evictable=}")
-        if free | held | evictable != set(range(1, self.n_pages)):
+        if free | held | evictable != set(range(self.first + 1, self.first + self.n_pages)):
             raise AssertionError(f"pages lost or out of range: {free=}, {held=}, {evictable=}")
         if len(free) + len(held) + len(evictable) != self.n_pages - 1:
             raise AssertionError("the counts do not add up to n_pages - 1")
@@ -183,7 +186,7 @@ class PagePool:
             self._page_of.get(h) != page for page, h in self._hash_of.items()
         ):
             raise AssertionError(f"not inverse: {self._page_of=}, {self._hash_of=}")
-        if 0 in hashed or free & hashed:
+        if self.first in hashed or free & hashed:
             raise AssertionError(f"free or null pages with a hash: {sorted(hashed - held)}")
         if not evictable <= hashed:
             raise AssertionError(f"evictable pages without a hash: {sorted(evictable - hashed)}")

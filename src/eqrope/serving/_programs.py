@@ -13,14 +13,20 @@ Every setting is a traced array, so a new mix of requests compiles nothing; the 
 are the slot count, the pool, the cache length, the capacities of the id lists and of
 the stop-string tables, the prefill piece sizes and the decode buckets, all fixed when
 the engine is built.
+
+Each program is a plain function (`prefill_pieces`, `start_slot`, `decode_chunk`,
+`copy_pages`) compiled here for one device and by `_mesh_programs.py` for a mesh, where
+each data shard runs it on its own slots and pages.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .._log import compiling
@@ -35,8 +41,7 @@ def _log(program: str, shapes: str) -> None:
     compiling("serving", program, shapes, "engine shape")
 
 
-@functools.partial(jax.jit, static_argnames=("structure", "chunk"), donate_argnames=("pool",))
-def prefill_program(
+def prefill_pieces(
     arrays,
     pool: PagedCache,
     tables: Int[Array, "rows max_pages"],
@@ -47,26 +52,44 @@ def prefill_program(
     *,
     structure,
     chunk: int,
-) -> tuple[PagedCache, tuple[Float[Array, " vocab"], ...]]:
+    data_axis=None,
+) -> tuple[PagedCache, Float[Array, "rows vocab"]]:
     """Run piece `ids[r]` of prompt `r` at positions `starts[r] ..` against its pages
     `tables[r]`, and write its keys and values there (rows that are not `live`, and
     pieces of the null table, write to the null page). **Returns:** `(pool, logits)`,
-    the float32 logits at position `starts[r] + last[r]` of each row, one array per row."""
+    the float32 logits at position `starts[r] + last[r]` of each row.
+
+    Inside a `shard_map` over `data_axis`, every shard reads the cache's chunks up to the
+    furthest start of any shard's rows, so that every device runs the same loops (a
+    collective over the model axis in a loop needs every device there); the chunks past
+    a row's own start are masked, and change nothing."""
     _log("engine prefill", f"{ids.shape[0]} prompts x {ids.shape[1]} tokens")
     model = rebuild(arrays, structure)
     size, page_size = ids.shape[1], pool.page_size
 
+    bounds = {}
+    if data_axis is not None:
+        bounds = dict(kv_bound=_across(jnp.max(starts), data_axis, jax.lax.pmax),
+                      kv_low=_across(jnp.min(starts), data_axis, jax.lax.pmin))  # fmt: skip
+
     def one(piece, start, at, table):
         positions = start + jnp.arange(size, dtype=jnp.int32)
-        logits, keys, values = model.forward(piece, positions, pool.view(table, chunk), logits_at=at[None])
+        view = pool.view(table, chunk)
+        logits, keys, values = model.forward(piece, positions, view, logits_at=at[None], **bounds)
         return logits[0].astype(jnp.float32), keys, values
 
     logits, keys, values = jax.vmap(one)(ids, starts, last, tables)
     positions = starts[:, None] + jnp.arange(size, dtype=jnp.int32)
     pages, offsets = page_rows(tables, positions, live[:, None], page_size)
     pool = pool.write(_rows_last(keys), _rows_last(values), pages.reshape(-1), offsets.reshape(-1))
-    # One array per row: the host hands each to `start_program` without slicing (a slice
-    # of a device array is a program of its own).
+    return pool, logits
+
+
+@functools.partial(jax.jit, static_argnames=("structure", "chunk"), donate_argnames=("pool",))
+def prefill_program(arrays, pool: PagedCache, tables, ids, starts, last, live, *, structure, chunk: int):
+    """`prefill_pieces` with the logits as one array per row: the host hands each to
+    `start_program` without slicing (a slice of a device array is a program of its own)."""
+    pool, logits = prefill_pieces(arrays, pool, tables, ids, starts, last, live, structure=structure, chunk=chunk)
     return pool, tuple(logits)
 
 
@@ -76,8 +99,7 @@ def _rows_last(new: Float[Array, "rows blocks kv_heads size head_dim"]) -> Float
     return jnp.transpose(new, (1, 2, 0, 3, 4)).reshape(blocks, kv_heads, rows * size, head_dim)
 
 
-@functools.partial(jax.jit, donate_argnames=("text",))
-def start_program(
+def start_slot(
     text: TextState,
     slot: Int[Array, ""],
     logits: Float[Array, " vocab"],
@@ -106,10 +128,10 @@ def start_program(
     return text, first
 
 
-@functools.partial(
-    jax.jit, static_argnames=("structure", "chunk"), donate_argnames=("pool", "text")
-)
-def decode_program(
+start_program = jax.jit(start_slot, donate_argnames=("text",))
+
+
+def decode_chunk(
     arrays,
     pool: PagedCache,
     text: TextState,
@@ -125,11 +147,14 @@ def decode_program(
     *,
     structure,
     chunk: int,
+    data_axis=None,
 ):
     """Up to `steps` decode steps of slots `rows` (those not `live` are padding and do
     nothing). Each step feeds each running slot's last token at its position, writes its
     key and value to its page, and commits the next token. The loop ends early when
-    `exit_after` slots have finished in it.
+    `exit_after` slots have finished in it. Inside a `shard_map` over `data_axis`, the
+    loop's condition and its cache bounds count every shard's rows: every device runs
+    the same steps and the same chunks of the cache.
 
     **Returns:** `(pool, text, view)`: `view` holds the `rows`' `tokens`, `logprobs`,
     `pos`, `done` and `nonfinite`, for the host.
@@ -147,8 +172,8 @@ def decode_program(
         feed = jnp.maximum(sub.pos - 1, 0)
         token = sub.tokens[index, feed]
         # Unbatched bounds, so that every slot skips the chunks past the furthest one.
-        bound = jnp.max(jnp.where(active, feed, 0))
-        low = jnp.min(jnp.where(active, feed, max_len))
+        bound = _across(jnp.max(jnp.where(active, feed, 0)), data_axis, jax.lax.pmax)
+        low = _across(jnp.min(jnp.where(active, feed, max_len)), data_axis, jax.lax.pmin)
 
         def one(token, position, table):
             view = pool.view(table, chunk)
@@ -156,6 +181,11 @@ def decode_program(
             return logits[0].astype(jnp.float32), k, v
 
         logits, k, v = jax.vmap(one)(token, feed, tables)
+        if data_axis is not None:
+            # Whole on every device of the model axis: the sampler's branches, taken on
+            # each shard's own settings, then hold no collective that a device of another
+            # shard would wait for.
+            logits = jax.lax.with_sharding_constraint(logits, P())
         pages, offsets = page_rows(tables, feed, active, page_size)
         pool = pool.write(_rows_last(k), _rows_last(v), pages, offsets)
         sub, active = _checked(check_finite, sub, logits, active)
@@ -166,13 +196,22 @@ def decode_program(
 
     def going(carry):
         i, sub, _, finished = carry
-        return (i < steps) & jnp.any(~sub.done) & (finished < exit_after)
+        busy = _across(jnp.sum(~sub.done, dtype=jnp.int32), data_axis, jax.lax.psum)
+        return (i < steps) & (busy > 0) & (_across(finished, data_axis, jax.lax.psum) < exit_after)
 
     zero = jnp.zeros((), jnp.int32)
     _, sub, pool, _ = jax.lax.while_loop(going, step, (zero, sub, pool, zero))
     text = jax.tree.map(lambda all_rows, some: all_rows.at[rows].set(some), text, sub)
     view = {name: getattr(sub, name) for name in ("tokens", "logprobs", "pos", "done", "nonfinite")}
     return pool, text, view
+
+
+decode_program = jax.jit(decode_chunk, static_argnames=("structure", "chunk"), donate_argnames=("pool", "text"))
+
+
+def _across(x, data_axis, reduce):
+    """`reduce` (`psum`, `pmax`, `pmin`) of `x` over the data shards, if any."""
+    return x if data_axis is None else reduce(x, data_axis)
 
 
 def _checked(check_finite, text: TextState, logits, active):
@@ -182,10 +221,25 @@ def _checked(check_finite, text: TextState, logits, active):
     return jax.tree.map(pick, checked, text), pick(still, active)
 
 
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def copy_program(pool: PagedCache, sources: Int[Array, " n"], targets: Int[Array, " n"]) -> PagedCache:
+def copy_pages(pool: PagedCache, sources: Int[Array, " n"], targets: Int[Array, " n"]) -> PagedCache:
     """Pages `targets` become copies of pages `sources`."""
     return pool.copy_pages(sources, targets)
+
+
+copy_program = jax.jit(copy_pages, donate_argnames=("pool",))
+
+
+class Programs(NamedTuple):
+    """The four compiled programs a `Runner` calls: `prefill_program`, `start_program`,
+    `decode_program` and `copy_program`, or their mesh forms (`_mesh_programs.py`)."""
+
+    prefill: object
+    start: object
+    decode: object
+    copy: object
+
+
+ONE_DEVICE = Programs(prefill_program, start_program, decode_program, copy_program)
 
 
 def empty_text(slots: int, max_len: int, vocab: int) -> TextState:

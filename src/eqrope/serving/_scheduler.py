@@ -7,6 +7,11 @@ a decode chunk's lookahead at a time, and an allocation can never fail, so nothi
 preempted and a request's memory follows its tokens. `Scheduler.reserved` is what the
 admitted requests may still allocate; `PagePool.free >= reserved` always.
 
+On a mesh the slots and the pool are split over the data shards (`_mesh_layout.py`): each
+shard has its own `PagePool` and its block of slots, and a request is admitted to the
+shard with the most free slots that can hold it, keeping the queue's order. Everything
+here is then per shard (`request.shard`); one shard is the one-device engine.
+
 Prefix reuse: a prompt's full pages are found by their chained hashes (`PagePool.match`)
 and shared. The hit is rounded down to a multiple of the prefill piece, so that a request
 runs the same prefill pieces at the same offsets whether its prefix was cached or not:
@@ -17,30 +22,47 @@ import collections
 import math
 
 from ._pages import PagePool
-from ._sequence import Request, Sequence
+from ._sequence import EngineStats, Request, Sequence
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, slots: int, piece: int, max_waiting: int):
-        self.pool, self.piece, self.max_waiting = pool, piece, max_waiting
+    def __init__(self, pools: list[PagePool], slots: int, piece: int, max_waiting: int):
+        self.pools, self.piece, self.max_waiting = pools, piece, max_waiting
+        self.per_shard = slots // len(pools)  # shard `d` holds slots `d * per_shard ..`
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.slots: list[Sequence | None] = [None] * slots
-        self.reserved = 0
+        self.reserved_by = [0] * len(pools)
         self.hit_rows = 0
+
+    @property
+    def pool(self) -> PagePool:
+        """The pool of a one-shard engine."""
+        if len(self.pools) != 1:
+            raise AttributeError("a sharded engine has one pool per data shard: read scheduler.pools.")
+        return self.pools[0]
+
+    @property
+    def reserved(self) -> int:
+        return sum(self.reserved_by)
+
+    def _pool(self, holder) -> PagePool:
+        return self.pools[getattr(holder, "request", holder).shard]
 
     # -- admission ---------------------------------------------------------------------
 
     def worst_case(self, request: Request) -> int:
         """The most pages `request` can ever hold: its shared full prompt pages once, and
         every sample's own pages up to its last position."""
-        size = self.pool.page_size
+        size = self.pools[0].page_size
         shared = len(request.prompt) // size
         return shared + request.samples * (math.ceil(request.end / size) - shared)
 
-    def free_slots(self) -> list[int]:
-        taken = sum(r.samples for r in self.prefilling)
-        free = [i for i, s in enumerate(self.slots) if s is None]
+    def free_slots(self, shard: int) -> list[int]:
+        """The free slots of `shard` that no prefilling request has claimed."""
+        taken = sum(r.samples for r in self.prefilling if r.shard == shard)
+        first = shard * self.per_shard
+        free = [i for i in range(first, first + self.per_shard) if self.slots[i] is None]
         return free[taken:]
 
     def admit(self) -> list[Request]:
@@ -51,22 +73,27 @@ class Scheduler:
         return admitted
 
     def _admit(self, request: Request) -> bool:
-        if len(self.free_slots()) < request.samples:
+        room = lambda d: (-len(self.free_slots(d)), self.reserved_by[d] - self.pools[d].free, d)
+        return any(self._admit_to(request, d) for d in sorted(range(len(self.pools)), key=room))
+
+    def _admit_to(self, request: Request, shard: int) -> bool:
+        if len(self.free_slots(shard)) < request.samples:
             return False
-        size, length = self.pool.page_size, len(request.prompt)
-        hits = self.pool.match(request.hashes)
+        pool = self.pools[shard]
+        size, length = pool.page_size, len(request.prompt)
+        hits = pool.match(request.hashes)
         # Hit rows: whole pieces, and at least the prompt's last token left to compute.
         rows = min(len(hits) * size, (length - 1) // self.piece * self.piece)
         hits = hits[: rows // size]
-        idle_hits = sum(1 for page in hits if self.pool.refs(page) == 0)
+        idle_hits = sum(1 for page in hits if pool.refs(page) == 0)
         worst = self.worst_case(request)
-        if self.pool.free - self.reserved < worst - len(hits) + idle_hits:
+        if pool.free - self.reserved_by[shard] < worst - len(hits) + idle_hits:
             return False
         for page in hits:
-            self.pool.retain(page)
+            pool.retain(page)
         request.pages, request.prefilled, request.hit_rows = list(hits), rows, rows
-        request.budget = worst - len(hits)
-        self.reserved += request.budget
+        request.budget, request.shard = worst - len(hits), shard
+        self.reserved_by[shard] += request.budget
         self.hit_rows += rows
         self.prefilling.append(request)
         return True
@@ -77,28 +104,28 @@ class Scheduler:
         if request.budget <= 0:
             raise RuntimeError(f"request {request.id} is past its reserved pages (a bug).")
         request.budget -= 1
-        self.reserved -= 1
-        return self.pool.allocate()
+        self.reserved_by[request.shard] -= 1
+        return self.pools[request.shard].allocate()
 
     def grow(self, holder, rows: int, request: Request) -> None:
         """`holder.pages` (a request's prompt, or a sample's) until they hold `rows` rows."""
-        while len(holder.pages) * self.pool.page_size < rows:
+        while len(holder.pages) * self.pools[0].page_size < rows:
             holder.pages.append(self.allocate(request))
 
     def trim(self, sequence: Sequence) -> None:
         """Give back the pages past `sequence`'s written rows (a decode chunk's lookahead
         that an early exit left unwritten), so that between chunks a sample holds at most
         one partly written page. Its reservation takes them back."""
-        written = sequence.pos - 1
-        while len(sequence.pages) * self.pool.page_size - self.pool.page_size >= max(written, 1):
-            self.pool.release(sequence.pages.pop())
+        written, pool = sequence.pos - 1, self._pool(sequence)
+        while len(sequence.pages) * pool.page_size - pool.page_size >= max(written, 1):
+            pool.release(sequence.pages.pop())
             sequence.request.budget += 1
-            self.reserved += 1
+            self.reserved_by[sequence.request.shard] += 1
 
     def prefilled(self, request: Request) -> None:
         """After its prompt's last piece: register its full pages for later prompts."""
         for page, page_hash in zip(request.pages, request.hashes):
-            self.pool.register(page, page_hash)
+            self.pools[request.shard].register(page, page_hash)
 
     def start(self, request: Request) -> list[Sequence]:
         """Put every sample of a prefilled request in a slot. Sample 0 takes the prompt's
@@ -106,16 +133,17 @@ class Scheduler:
         page. **Returns:** the samples; the copies to make are `(source, target)` pairs in
         `request.copies`."""
         self.prefilling.remove(request)
-        length, size = len(request.prompt), self.pool.page_size
+        pool = self.pools[request.shard]
+        length, size = len(request.prompt), pool.page_size
         full = length // size
-        slots = self.free_slots()[: request.samples]
+        slots = self.free_slots(request.shard)[: request.samples]
         for sample, slot in enumerate(slots):
             if sample == 0:
                 pages = request.pages
             else:
                 pages = list(request.pages[:full])
                 for page in pages:
-                    self.pool.retain(page)
+                    pool.retain(page)
                 if len(request.pages) > full:
                     copy = self.allocate(request)
                     request.copies.append((request.pages[full], copy))
@@ -128,8 +156,9 @@ class Scheduler:
 
     def release(self, holder) -> None:
         """Give back `holder`'s pages, last first (a shared prefix is evicted last)."""
+        pool = self._pool(holder)
         for page in reversed(holder.pages):
-            self.pool.release(page)
+            pool.release(page)
         holder.pages = []
 
     def finish(self, sequence: Sequence) -> None:
@@ -139,7 +168,7 @@ class Scheduler:
         self.slots[sequence.slot] = None
         request = sequence.request
         if request.finished:
-            self.reserved -= request.budget
+            self.reserved_by[request.shard] -= request.budget
             request.budget = 0
 
     def drop(self, request: Request) -> None:
@@ -150,7 +179,7 @@ class Scheduler:
         if request in self.prefilling:
             self.prefilling.remove(request)
             self.release(request)
-            self.reserved -= request.budget
+            self.reserved_by[request.shard] -= request.budget
             request.budget = 0
 
     # -- what runs next ----------------------------------------------------------------
@@ -161,3 +190,15 @@ class Scheduler:
     def tokens_held(self) -> int:
         """Positions whose keys and values the running samples hold in the pool."""
         return sum(s.pos - 1 for s in self.running()) + sum(r.prefilled for r in self.prefilling)
+
+    def stats(self, per_page: int, computed: int) -> EngineStats:
+        """The engine's `EngineStats`, every shard's pool summed; `per_page` bytes per
+        page, `computed` the prompt positions prefilled."""
+        total = lambda name: sum(getattr(pool, name) for pool in self.pools)
+        return EngineStats(
+            pages_total=total("n_pages") - len(self.pools), pages_free=total("free"), pages_used=total("used"),
+            pages_cached=total("cached"), running=len(self.running()), prefilling=len(self.prefilling),
+            waiting=len(self.waiting), tokens_held=self.tokens_held(), kv_bytes_held=total("used") * per_page,
+            kv_bytes_per_token=per_page // self.pools[0].page_size, prefix_hit_tokens=self.hit_rows,
+            prompt_tokens_computed=computed,
+        )  # fmt: skip

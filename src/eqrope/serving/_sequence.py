@@ -98,6 +98,7 @@ class Request:
     prefilled: int = 0
     budget: int = 0
     hit_rows: int = 0
+    shard: int = 0  # the data shard whose slots and pages it holds (`Scheduler._admit`)
     sequences: list = dataclasses.field(default_factory=list)
     copies: list = dataclasses.field(default_factory=list)  # (source, target) pages to copy at start
     submitted: float = dataclasses.field(default_factory=time.perf_counter)

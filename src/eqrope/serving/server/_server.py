@@ -5,9 +5,12 @@ model's name, and admission (the most samples held at once)."""
 import hmac
 import time
 
+import jax
+
 from ..._checks import check_int
 from ..._custom_types import IntLike
 from .._engine import Engine
+from .._processes import dismiss, leading
 from ._errors import APIError, bad_field, overloaded
 from ._metrics import Metrics
 from ._requests import Limits
@@ -28,12 +31,15 @@ class Server:
     - `api_key`: the key every `/v1` route asks for, or `None`.
     - `defaults`: the sampling defaults from the checkpoint's `generation_config.json`.
     - `warmup`: compile every engine program before serving.
+    - `mesh`: the engine's device mesh (`eqrope.Engine`'s `mesh`), or `None`. On a mesh
+      over several processes this is process 0's server: the others follow its engine
+      (`eqrope.serving.follow`, `python -m eqrope.serve --process-id`).
     """
 
     def __init__(
         self, model, tokenizer, *, name: str, source: str = "", slots: IntLike = 8, max_len: IntLike | None = None,
         page_size: IntLike = 16, prefill_chunk: IntLike = 64, decode_steps: IntLike = 16, max_waiting: IntLike = 64,
-        api_key: str | None = None, defaults: dict | None = None, warmup: bool = True,
+        api_key: str | None = None, defaults: dict | None = None, warmup: bool = True, mesh=None,
     ):  # fmt: skip
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -44,20 +50,20 @@ class Server:
         self.name, self.source, self.api_key = name, source, api_key
         self.created = int(time.time())
         self.defaults = dict(defaults or {})
-        max_len = model.config.max_len if max_len is None else check_int(max_len, "max_len", minimum=1)
-        slots = check_int(slots, "slots", minimum=1)
-        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-        self.capacity = slots + check_int(max_waiting, "max_waiting", minimum=0)
-        engine_args = dict(
-            slots=slots, max_len=max_len, page_size=page_size, prefill_chunk=min(prefill_chunk, max_len),
-            decode_steps=decode_steps, max_waiting=self.capacity,
-        )  # fmt: skip
+        engine_args = engine_arguments(model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh)
+        self.capacity, slots, max_len = engine_args["max_waiting"], engine_args["slots"], engine_args["max_len"]
         self.limits = Limits(max_len=max_len, vocab=model.config.vocab_size, max_n=slots)
         self.metrics = Metrics(name)
-        self.worker = Worker(lambda: Engine(model, **engine_args), on_step=self.metrics.on_step)
+        make = lambda: Engine(model, **engine_args)
+        self.worker = Worker(leading(make) if jax.process_count() > 1 else make, on_step=self.metrics.on_step)
         if warmup:
             self.worker.engine.warmup()
         self.held = 0  # samples of the requests in flight
+
+    def close(self) -> None:
+        """After serving: end the other processes' `follow`, if any."""
+        if jax.process_count() > 1:
+            dismiss(self.worker.engine)
 
     def authorize(self, request) -> None:
         """`Authorization: Bearer KEY` on every `/v1` route, when the server has a key."""
@@ -90,3 +96,15 @@ class Server:
 
     def release(self, samples: int) -> None:
         self.held -= samples
+
+
+def engine_arguments(model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh) -> dict:
+    """The `eqrope.Engine` arguments of a server (the same in every process of one):
+    its `max_waiting` holds the slots' samples too (the server's capacity)."""
+    max_len = model.config.max_len if max_len is None else check_int(max_len, "max_len", minimum=1)
+    slots = check_int(slots, "slots", minimum=1)
+    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+    return dict(
+        slots=slots, max_len=max_len, page_size=page_size, prefill_chunk=min(prefill_chunk, max_len),
+        decode_steps=decode_steps, max_waiting=slots + check_int(max_waiting, "max_waiting", minimum=0), mesh=mesh,
+    )  # fmt: skip
