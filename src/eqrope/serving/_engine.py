@@ -124,7 +124,7 @@ class Engine:
             budget = None if kv_memory is None else check_int(kv_memory, "kv_memory", minimum=1)
             pages = self.slots * self.max_pages + self.shards if budget is None else pool_pages(budget, config, self.page_size)
             pages -= pages % self.shards
-        per_shard = check_pages(check_int(pages, "pages", minimum=2), self.shards)
+        per_shard = check_pages(pages := check_int(pages, "pages", minimum=2), self.shards)
         self.vocab = config.vocab_size
         self.runner = Runner(
             model, slots=self.slots, pages=pages, page_size=self.page_size, max_len=self.max_len,
