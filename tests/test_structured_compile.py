@@ -29,26 +29,12 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from eqrope.structured._export import export  # noqa: E402
 
-from _serve import TEXTS  # noqa: E402
-
-
-EOS = 1
+from _structured import EOS, Outlines, bpe_tokenizer, spelled_by_llguidance  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def raw():
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    raw = tokenizers.Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    raw.train_from_iterator(TEXTS * 4 + ['{"name": "x", "ok": true, "tags": ["a", "b"]}'] * 4, trainer)
-    return raw
+    return bpe_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +50,7 @@ def lltok(raw):
 @pytest.fixture(scope="module")
 def spelled(raw, lltok) -> list[bytes]:
     """Each token's bytes as llguidance reads them (`b""` for special tokens)."""
-    special = set(raw.get_added_tokens_decoder())
-    return [b"" if i in special else lltok.decode_bytes([i]) for i in range(raw.get_vocab_size())]
+    return spelled_by_llguidance(raw, lltok)
 
 
 # --- reading an Automaton (the layout of generation/_automaton.py) -------------------------
@@ -195,34 +180,21 @@ REGEXES = [r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(the|The) (cat|dog) sat", r"[a-c]+x?
 def test_every_state_agrees_with_outlines_index(tok, spelled, spec):
     """outlines-core's index of the regex followed by the END marker U+10FFFF (which a
     pseudo-token spells): a state accepts where END leads to a final state."""
-    end = len(spelled)
-    ids: dict[bytes, list[int]] = {"\U0010ffff".encode(): [end]}
-    for i, b in enumerate(spelled):
-        if b:
-            ids.setdefault(b, []).append(i)
-    index = oc.Index(f"(?:{spec.regex()})\\x{{10ffff}}", oc.Vocabulary(EOS, ids))
-    a, states = export(index, len(spelled), end_id=end, eos_id=EOS)
+    outlines = Outlines(oc, spec.regex(), spelled)
+    index = outlines.index
+    a, states = export(index, len(spelled), end_id=outlines.end, eos_id=EOS)
     assert states[0] == index.get_initial_state()
     # The public path (END and EOS ids past the vocabulary) builds the same table.
     public = spec.compile(tok)
     for ours, theirs in zip(public[:-1], a[:-1]):
         np.testing.assert_array_equal(ours, theirs)
-    # outlines' states from which an END can be reached: the export keeps only those.
-    table = index.get_transitions()
-    finals = index.get_final_states()
-    productive = {s for s, row in table.items() if row.get(end) in finals}
-    while True:
-        more = {s for s, row in table.items() if s not in productive and any(d in productive for t, d in row.items() if t not in (EOS, end))}
-        if not more:
-            break
-        productive |= more
+    # Only tokens to outlines' states from which an END can be reached (`Outlines.allowed`).
     for k, state in enumerate(states.tolist()):
-        outlines = set(index.get_allowed_tokens(state))
-        theirs = {t for t in outlines - {EOS, end} if index.get_next_state(state, t) in productive}
+        theirs = outlines.allowed(state) - {EOS}
         assert allowed(a, k) == theirs, k
         for t in theirs:
             assert states[step(a, k, t)] == index.get_next_state(state, t)
-        assert a.accepting[k] == (end in outlines and index.get_next_state(state, end) in finals)
+        assert a.accepting[k] == outlines.accepting(state)
         assert a.accepting[k] or theirs
 
 
