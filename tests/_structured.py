@@ -6,7 +6,10 @@ eqrope compiles `(?:REGEX)` followed by U+10FFFF, which a pseudo-token (id: the
 vocabulary's size) spells (`eqrope/structured/_compile.py`); a state accepts where END
 leads to a final state, and only tokens that can still reach an accepting state are kept.
 `Outlines` computes that from outlines-core's `Index` alone, never from eqrope's export.
+`allowed`, `step`, `distances` and `walk` read an `Automaton` in NumPy.
 """
+
+import random
 
 import numpy as np
 
@@ -82,3 +85,75 @@ class Outlines:
 
     def next(self, state: int, token: int) -> int:
         return self.index.get_next_state(state, token)
+
+
+# --- reading an Automaton (the layout of generation/_automaton.py) -------------------------
+
+
+def allowed(a, s: int) -> set[int]:
+    bits = np.unpackbits(np.ascontiguousarray(a.allowed[s]).view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def step(a, s: int, t: int) -> int:
+    lo, hi = int(a.exc_start[s]), int(a.exc_start[s + 1])
+    at = lo + int(np.searchsorted(a.exc_token[lo:hi], t))
+    return int(a.exc_next[at]) if at < hi and a.exc_token[at] == t else int(a.default_next[s])
+
+
+def distances(a) -> np.ndarray:
+    """Tokens from each state to an accepting one (a reverse breadth-first search)."""
+    n = a.accepting.size
+    into = [[] for _ in range(n)]
+    for s in range(n):
+        for t in allowed(a, s):
+            into[step(a, s, t)].append(s)
+    dist = np.full(n, np.iinfo(np.int64).max)
+    frontier = list(np.flatnonzero(a.accepting))
+    dist[frontier] = 0
+    while frontier:
+        nxt = []
+        for d in frontier:
+            for s in into[d]:
+                if dist[s] > dist[d] + 1:
+                    dist[s] = dist[d] + 1
+                    nxt.append(s)
+        frontier = nxt
+    return dist
+
+
+def walk(a, rng: random.Random, dist=None, limit: int = 400) -> list[int] | None:
+    """A random path from the start to an accepting state (`None` past `limit` tokens);
+    every other step (when `dist` is given) moves closer to acceptance."""
+    s, path = 0, []
+    while len(path) < limit:
+        options = sorted(allowed(a, s))
+        if a.accepting[s] and (not options or rng.random() < 0.25):
+            return path
+        assert options, f"state {s} neither accepts nor allows a token"
+        if dist is not None and rng.random() < 0.5:
+            best = min(dist[step(a, s, t)] for t in options)
+            options = [t for t in options if dist[step(a, s, t)] == best]
+        t = rng.choice(options)
+        path.append(t)
+        s = step(a, s, t)
+    return None
+
+
+# A nested record: an object in an object, an array of a `$ref`d enum, optional properties.
+NESTED = {
+    "$defs": {"color": {"enum": ["red", "green", "blue"]}},
+    "type": "object",
+    "properties": {
+        "user": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"$ref": "#/$defs/color"}, "maxItems": 3}},
+            "required": ["id"],
+            "additionalProperties": False,
+        },
+        "status": {"enum": ["open", "closed", None]},
+        "note": {"type": "string", "maxLength": 3},
+    },
+    "required": ["user", "status"],
+    "additionalProperties": False,
+}
