@@ -12,7 +12,9 @@ leads to a final state, and only tokens that can still reach an accepting state 
 import random
 
 import numpy as np
+import pytest
 
+import eqrope
 from _serve import TEXTS, byte_level_bpe
 
 
@@ -23,6 +25,24 @@ def bpe_tokenizer():
     """A `tokenizers.Tokenizer`: byte-level BPE of at most 400 tokens (`byte_level_bpe`)
     learnt from `TEXTS` and a JSON record."""
     return byte_level_bpe(400, TEXTS * 4 + ['{"name": "x", "ok": true, "tags": ["a", "b"]}'] * 4)
+
+
+@pytest.fixture(scope="module")
+def raw():
+    """`bpe_tokenizer()`, once per test module that imports this fixture."""
+    return bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tok(raw):
+    return eqrope.Tokenizer(raw, eos_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def lltok(raw):
+    import llguidance
+
+    return llguidance.LLTokenizer(raw.to_str(), eos_token=EOS)
 
 
 def spelled_by_llguidance(raw, lltok) -> list[bytes]:

@@ -29,22 +29,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from eqrope.structured._export import export  # noqa: E402
 
-from _structured import NESTED, EOS, Outlines, allowed, bpe_tokenizer, distances, spelled_by_llguidance, step, walk  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def raw():
-    return bpe_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok(raw):
-    return eqrope.Tokenizer(raw, eos_ids=[EOS])
-
-
-@pytest.fixture(scope="module")
-def lltok(raw):
-    return llguidance.LLTokenizer(raw.to_str(), eos_token=EOS)
+# The fixtures `raw`, `tok` and `lltok` (module-scoped) come from _structured.py.
+from _structured import EOS, NESTED, Outlines, allowed, distances, lltok, raw, spelled_by_llguidance, step, tok, walk  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")

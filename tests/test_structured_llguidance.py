@@ -16,22 +16,8 @@ oc = pytest.importorskip("outlines_core")
 llguidance = pytest.importorskip("llguidance")
 lnp = pytest.importorskip("llguidance.numpy")
 
-from _structured import EOS, NESTED, allowed, bpe_tokenizer, distances, step  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def raw():
-    return bpe_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok(raw):
-    return eqrope.Tokenizer(raw, eos_ids=[EOS])
-
-
-@pytest.fixture(scope="module")
-def lltok(raw):
-    return llguidance.LLTokenizer(raw.to_str(), eos_token=EOS)
+# The fixtures `raw`, `tok` and `lltok` (module-scoped) come from _structured.py.
+from _structured import EOS, NESTED, allowed, distances, lltok, raw, step, tok  # noqa: E402, F401
 
 
 # --- against llguidance (compact whitespace) ------------------------------------------------
