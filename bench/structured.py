@@ -157,15 +157,17 @@ def step_model(size: int, quick: bool, max_len: int) -> eqrope.RotaryDecoder:
 
 
 def print_step(r: dict) -> None:
-    ms = {k: 1e3 * v for k, v in r["per_step_s"].items()}
     print(f"decode step, batch {r['batch']} ({r['long']} - {r['short']} new tokens, capacity {r['capacity']}):")
-    print(f"  unconstrained {ms['plain']:.2f} ms, constrained {ms['constrained']:.2f} ms: "
-          f"{r['ratio']:.3f}x (target <= {r['target_ratio']}x: {'met' if r['met'] else 'missed'})")  # fmt: skip
-    print(f"  ratio of the minima {r['ratio_of_minima']:.3f}x; of each round's steps: median "
-          f"{r['paired_ratio_median']:.3f}x, {min(r['paired_ratios']):.3f}-{max(r['paired_ratios']):.3f}x")  # fmt: skip
+    for name, step in r["steps"].items():
+        ms = {k: 1e3 * v for k, v in step["per_step_s"].items()}
+        paired = step["paired_ratios"]
+        print(f"  {name:<8} unconstrained {ms['plain']:.2f} ms, constrained {ms['constrained']:.2f} ms: "
+              f"{step['ratio']:.3f}x (target <= {r['target_ratio']}x: {'met' if step['met'] else 'missed'}); "
+              f"minima {step['ratio_of_minima']:.3f}x, rounds {min(paired):.3f}-{max(paired):.3f}x "
+              f"(median {step['paired_ratio_median']:.3f}x)")  # fmt: skip
     m = r["mask_alone"]
-    print(f"  the mask alone: {1e3 * m['per_step_s']:.3f} ms a step ({100 * m['fraction_of_plain_step']:.1f}% of "
-          f"an unconstrained step)")  # fmt: skip
+    print(f"  the mask alone: {1e3 * m['per_step_s']:.3f} ms a step ({100 * m['fraction_of_greedy_step']:.1f}% of "
+          f"a greedy unconstrained step)")  # fmt: skip
     t = r["twenty"]
     print(f"  {t['constraints']} constraints in {t['calls']} calls: {t['new_compiles']} new XLA compiles")
 
