@@ -1,7 +1,7 @@
 """What structured output costs (issue 41): compiling a constraint (part 1) and a
 constrained decode step (part 2), at the SmolLM2-135M shape (vocabulary 49,152 tokens).
 
-    python bench/structured.py                      # 49,152 tokens, 5 repeats (a few minutes on 2 cores)
+    python bench/structured.py                      # 49,152 tokens, 5 repeats (10-20 minutes on 2 cores)
     python bench/structured.py --quick --out /tmp/x  # 2,048 tokens, a 2-block model, 1 repeat
     python bench/structured.py --save               # bench/results/structured_cpu.json (committed)
 
@@ -92,7 +92,7 @@ TWENTY = [
     eqrope.Choice(["yes", "no", "maybe"]),
     eqrope.Choice(["positive", "negative", "neutral"]),
 ]  # fmt: skip
-STEP = {"default": dict(batch=8, prompt_len=16, short=8, long=40),
+STEP = {"default": dict(batch=8, prompt_len=16, short=8, long=72),
         "quick": dict(batch=8, prompt_len=4, short=2, long=6)}  # fmt: skip
 
 

@@ -158,7 +158,7 @@ def _states(table, start, new_tokens, n_new):
         tokens, i = step
         return advance(table, states, tokens, i < n_new), states
 
-    _, before = jax.lax.scan(one, start, (new_tokens.T, jnp.arange(new_tokens.shape[1])))
+    _, before = jax.lax.scan(one, start, (new_tokens.T, jnp.arange(new_tokens.shape[1], dtype=jnp.int32)))
     return before.T
 
 
@@ -175,8 +175,8 @@ def test_the_traced_mask_equals_outlines_at_every_step(setup, run):
     _, _, spelled, vocab = setup
     tokens, lengths, constraint = run
     rows = tokens.reshape(-1, tokens.shape[-1])
-    n_new = lengths.reshape(-1) - PROMPT
-    ours = np.asarray(_states(constraint.table, jnp.asarray(constraint.start), jnp.asarray(rows[:, PROMPT:]), jnp.asarray(n_new)))
+    n_new = (lengths.reshape(-1) - PROMPT).astype(np.int32)
+    ours = np.asarray(_states(constraint.table, jnp.asarray(constraint.start), jnp.asarray(rows[:, PROMPT:], jnp.int32), jnp.asarray(n_new)))
     pairs, steps = set(), 0  # (spec, outlines' state, our state) met at some step
     for k, spec in enumerate(SPECS.values()):
         outlines = Outlines(oc, spec.regex(), spelled)
