@@ -1,8 +1,8 @@
-"""What compiling a constraint costs (issue 41, part 1): compile time and table bytes of
-`eqrope.JsonSchema` / `eqrope.Regex` at the SmolLM2 vocabulary size (49,152 tokens).
+"""What structured output costs (issue 41): compiling a constraint (part 1) and a
+constrained decode step (part 2), at the SmolLM2-135M shape (vocabulary 49,152 tokens).
 
-    python bench/structured.py                      # 49,152 tokens, 5 repeats (~1 min on 2 cores)
-    python bench/structured.py --quick --out /tmp/x  # 2,048 tokens, 1 repeat
+    python bench/structured.py                      # 49,152 tokens, 5 repeats (10-20 minutes on 2 cores)
+    python bench/structured.py --quick --out /tmp/x  # 2,048 tokens, a 2-block model, 1 repeat
     python bench/structured.py --save               # bench/results/structured_cpu.json (committed)
 
 The vocabulary is synthetic and byte-level (seeded): the 256 single bytes, then tokens of
@@ -18,19 +18,30 @@ cleared before each repeat; the vocabulary's outlines-core form is built once, t
 apart as `vocabulary_s`), the states, exceptions, the table's bytes, and what a dense
 `int32 (states, vocab)` next-state table would take. Medians, min and max of the repeats.
 
+Part 2 (`_constrained_step.py`): the model has the published SmolLM2-135M shape
+(`_shapes.SMOLLM2_135M`, random weights, float32; `--quick`: 2 blocks of width 72, the
+2,048-token vocabulary); batch 8, each row under its own constraint (7 of `TWENTY`, and a
+free-text regex that never ends), against the same call without constraints: a decode
+step's cost, the mask's cost alone, and the XLA compiles of 20 constraints run through
+the compiled program (target: a constrained step <= 1.15x an unconstrained one, 0
+compiles).
+
 Writes `structured.json` to `--out` (default `bench/results/latest/`, ignored by git) or,
-with `--save`, `bench/results/structured_cpu.json`, with the machine and versions, and
-prints a table. The per-token cost of a constrained decode step is part 2 (issue 41).
+with `--save`, `bench/results/structured_cpu.json`, with the machine, versions and load
+average (other processes share the machine's cores), and prints a table.
 """
 
 import argparse
 import importlib.metadata
+import os
 import random
 import statistics
 import time
 
 import eqrope
 from eqrope.structured import _compile
+import _constrained_step
+from _shapes import SMOLLM2_135M, eqrope_config
 from _timing import add_output_arguments, log, machine_info, results_folder, write_json
 
 
@@ -67,6 +78,22 @@ SPECS = {
     "enum": eqrope.JsonSchema({"enum": ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white"]}),
     "iso_date_regex": eqrope.Regex(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
 }
+# Part 2's 20 different constraints: part 1's, and records, enums, arrays and regexes.
+_RECORD = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"], "additionalProperties": False}
+TWENTY = [
+    *SPECS.values(),
+    *(eqrope.JsonSchema({**_RECORD, "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": n}}})
+      for n in (4, 8, 12)),
+    *(eqrope.JsonSchema({"enum": [f"label{i}" for i in range(n)]}) for n in (2, 3, 5, 7)),
+    *(eqrope.JsonSchema({"type": "array", "items": {"type": "integer"}, "maxItems": n}) for n in (2, 3)),
+    eqrope.JsonSchema({"type": "boolean"}),
+    eqrope.JsonSchema(FLAT, whitespace="flexible"),
+    *(eqrope.Regex(f"[0-9]{{{n}}}-[A-Z]{{2}}") for n in (1, 2, 3)),
+    eqrope.Choice(["yes", "no", "maybe"]),
+    eqrope.Choice(["positive", "negative", "neutral"]),
+]  # fmt: skip
+STEP = {"default": dict(batch=8, prompt_len=16, short=8, long=72),
+        "quick": dict(batch=8, prompt_len=4, short=2, long=6)}  # fmt: skip
 
 
 class SyntheticVocabulary:
@@ -118,11 +145,38 @@ def measure(spec, vocabulary: SyntheticVocabulary, repeats: int) -> dict:
     }  # fmt: skip
 
 
+def step_model(size: int, quick: bool, max_len: int) -> eqrope.RotaryDecoder:
+    """The SmolLM2-135M shape with a `size`-token vocabulary (`quick`: 2 blocks of width
+    72), random float32 weights drawn with NumPy (`load.random_model`)."""
+    from load import random_model
+
+    fields = dict(eqrope_config(SMOLLM2_135M, max_len=max_len), vocab_size=size)
+    if quick:
+        fields.update(d_model=72, n_blocks=2, d_ff=32)
+    return random_model(fields)
+
+
+def print_step(r: dict) -> None:
+    print(f"decode step, batch {r['batch']} ({r['long']} - {r['short']} new tokens, capacity {r['capacity']}):")
+    for name, step in r["steps"].items():
+        ms = {k: 1e3 * v for k, v in step["per_step_s"].items()}
+        paired = step["paired_ratios"]
+        print(f"  {name:<8} unconstrained {ms['plain']:.2f} ms, constrained {ms['constrained']:.2f} ms: "
+              f"{step['ratio']:.3f}x (target <= {r['target_ratio']}x: {'met' if step['met'] else 'missed'}); "
+              f"minima {step['ratio_of_minima']:.3f}x, rounds {min(paired):.3f}-{max(paired):.3f}x "
+              f"(median {step['paired_ratio_median']:.3f}x)")  # fmt: skip
+    m = r["mask_alone"]
+    print(f"  the mask alone: {1e3 * m['per_step_s']:.3f} ms a step ({100 * m['fraction_of_greedy_step']:.1f}% of "
+          f"a greedy unconstrained step)")  # fmt: skip
+    t = r["twenty"]
+    print(f"  {t['constraints']} constraints in {t['calls']} calls: {t['new_compiles']} new XLA compiles")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2,048 tokens, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="2,048 tokens, a 2-block model, 1 repeat")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 49,152)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed compiles per constraint (default 5)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed compiles per constraint, and timed calls per decode variant (default 5)")
     add_output_arguments(parser, "folder for structured.json")
     args = parser.parse_args()
     size = args.vocab or (2048 if args.quick else 49152)
@@ -139,15 +193,21 @@ def main() -> None:
     for name, spec in SPECS.items():
         log(f"{name} ...")
         results[name] = measure(spec, vocabulary, repeats)
-    machine = {**machine_info(), "outlines_core": importlib.metadata.version("outlines_core")}
+    step = STEP["quick" if args.quick else "default"]
+    model = step_model(size, args.quick, step["prompt_len"] + step["long"])
+    decode = _constrained_step.measure(model, vocabulary, TWENTY, repeats=repeats, **step)
+    machine = {**machine_info(), "outlines_core": importlib.metadata.version("outlines_core"),
+               "load_average": os.getloadavg(),
+               "note": "2 shared cores: other processes ran beside this one (load_average at the end)"}  # fmt: skip
     result = {"machine": machine, "vocab": size, "repeats": repeats, "vocabulary_s": vocabulary_s,
-              "constraints": results}  # fmt: skip
+              "constraints": results, "decode_step": decode}  # fmt: skip
     written = write_json(path, result)
     print(f"vocabulary {size} tokens (outlines-core form built once: {vocabulary_s:.2f} s)")
     print(f"  {'':<16}{'median s':>10}{'min-max s':>16}{'states':>8}{'exceptions':>12}{'table MiB':>11}{'dense MiB':>11}")
     for name, r in results.items():
         print(f"  {name:<16}{r['median_s']:>10.3f}{r['min_s']:>8.3f}-{r['max_s']:<7.3f}{r['states']:>8}"
               f"{r['exceptions']:>12}{r['table_nbytes'] / 2**20:>11.2f}{r['dense_int32_nbytes'] / 2**20:>11.1f}")  # fmt: skip
+    print_step(decode)
     print(f"wrote {written}")
 
 

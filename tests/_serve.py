@@ -37,19 +37,28 @@ TEMPLATE = (
 )
 
 
-def write_checkpoint(folder: Path, *, max_len: int = 128, seed: int = 0) -> Path:
-    """Write the checkpoint into `folder`; **returns** it."""
+def byte_level_bpe(vocab_size: int, texts: list[str]):
+    """A `tokenizers.Tokenizer`: byte-level BPE of at most `vocab_size` tokens (the 256
+    bytes, the specials `<s>`, `</s>`, `<pad>` as ids 0-2, and merges learnt from `texts`)."""
     import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     raw = tokenizers.Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"],
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )  # fmt: skip
-    raw.train_from_iterator(TEXTS * 4, trainer)
+    raw.train_from_iterator(texts, trainer)
+    return raw
+
+
+def write_checkpoint(folder: Path, *, max_len: int = 128, seed: int = 0) -> Path:
+    """Write the checkpoint into `folder`; **returns** it."""
+    from tokenizers import processors
+
+    raw = byte_level_bpe(320, TEXTS * 4)
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     folder.mkdir(parents=True, exist_ok=True)
     vocab = raw.get_vocab_size()

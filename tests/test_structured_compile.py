@@ -29,96 +29,14 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from eqrope.structured._export import export  # noqa: E402
 
-from _serve import TEXTS  # noqa: E402
-
-
-EOS = 1
-
-
-@pytest.fixture(scope="module")
-def raw():
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    raw = tokenizers.Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    raw.train_from_iterator(TEXTS * 4 + ['{"name": "x", "ok": true, "tags": ["a", "b"]}'] * 4, trainer)
-    return raw
-
-
-@pytest.fixture(scope="module")
-def tok(raw):
-    return eqrope.Tokenizer(raw, eos_ids=[EOS])
-
-
-@pytest.fixture(scope="module")
-def lltok(raw):
-    return llguidance.LLTokenizer(raw.to_str(), eos_token=EOS)
+# The fixtures `raw`, `tok` and `lltok` (module-scoped) come from _structured.py.
+from _structured import EOS, NESTED, Outlines, allowed, distances, lltok, raw, spelled_by_llguidance, step, tok, walk  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
 def spelled(raw, lltok) -> list[bytes]:
     """Each token's bytes as llguidance reads them (`b""` for special tokens)."""
-    special = set(raw.get_added_tokens_decoder())
-    return [b"" if i in special else lltok.decode_bytes([i]) for i in range(raw.get_vocab_size())]
-
-
-# --- reading an Automaton (the layout of generation/_automaton.py) -------------------------
-
-
-def allowed(a, s: int) -> set[int]:
-    bits = np.unpackbits(np.ascontiguousarray(a.allowed[s]).view(np.uint8), bitorder="little")
-    return set(np.flatnonzero(bits).tolist())
-
-
-def step(a, s: int, t: int) -> int:
-    lo, hi = int(a.exc_start[s]), int(a.exc_start[s + 1])
-    at = lo + int(np.searchsorted(a.exc_token[lo:hi], t))
-    return int(a.exc_next[at]) if at < hi and a.exc_token[at] == t else int(a.default_next[s])
-
-
-def distances(a) -> np.ndarray:
-    """Tokens from each state to an accepting one (a reverse breadth-first search)."""
-    n = a.accepting.size
-    into = [[] for _ in range(n)]
-    for s in range(n):
-        for t in allowed(a, s):
-            into[step(a, s, t)].append(s)
-    dist = np.full(n, np.iinfo(np.int64).max)
-    frontier = list(np.flatnonzero(a.accepting))
-    dist[frontier] = 0
-    while frontier:
-        nxt = []
-        for d in frontier:
-            for s in into[d]:
-                if dist[s] > dist[d] + 1:
-                    dist[s] = dist[d] + 1
-                    nxt.append(s)
-        frontier = nxt
-    return dist
-
-
-def walk(a, rng: random.Random, dist=None, limit: int = 400) -> list[int] | None:
-    """A random path from the start to an accepting state (`None` past `limit` tokens);
-    every other step (when `dist` is given) moves closer to acceptance."""
-    s, path = 0, []
-    while len(path) < limit:
-        options = sorted(allowed(a, s))
-        if a.accepting[s] and (not options or rng.random() < 0.25):
-            return path
-        assert options, f"state {s} neither accepts nor allows a token"
-        if dist is not None and rng.random() < 0.5:
-            best = min(dist[step(a, s, t)] for t in options)
-            options = [t for t in options if dist[step(a, s, t)] == best]
-        t = rng.choice(options)
-        path.append(t)
-        s = step(a, s, t)
-    return None
+    return spelled_by_llguidance(raw, lltok)
 
 
 # --- the specs ----------------------------------------------------------------------------
@@ -132,22 +50,6 @@ FLAT = {
         "naïve": {"type": "null"},
     },
     "required": ["name", "age", "ok", "naïve"],
-    "additionalProperties": False,
-}
-NESTED = {
-    "$defs": {"color": {"enum": ["red", "green", "blue"]}},
-    "type": "object",
-    "properties": {
-        "user": {
-            "type": "object",
-            "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"$ref": "#/$defs/color"}, "maxItems": 3}},
-            "required": ["id"],
-            "additionalProperties": False,
-        },
-        "status": {"enum": ["open", "closed", None]},
-        "note": {"type": "string", "maxLength": 3},
-    },
-    "required": ["user", "status"],
     "additionalProperties": False,
 }
 TREE = {
@@ -195,34 +97,21 @@ REGEXES = [r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(the|The) (cat|dog) sat", r"[a-c]+x?
 def test_every_state_agrees_with_outlines_index(tok, spelled, spec):
     """outlines-core's index of the regex followed by the END marker U+10FFFF (which a
     pseudo-token spells): a state accepts where END leads to a final state."""
-    end = len(spelled)
-    ids: dict[bytes, list[int]] = {"\U0010ffff".encode(): [end]}
-    for i, b in enumerate(spelled):
-        if b:
-            ids.setdefault(b, []).append(i)
-    index = oc.Index(f"(?:{spec.regex()})\\x{{10ffff}}", oc.Vocabulary(EOS, ids))
-    a, states = export(index, len(spelled), end_id=end, eos_id=EOS)
+    outlines = Outlines(oc, spec.regex(), spelled)
+    index = outlines.index
+    a, states = export(index, len(spelled), end_id=outlines.end, eos_id=EOS)
     assert states[0] == index.get_initial_state()
     # The public path (END and EOS ids past the vocabulary) builds the same table.
     public = spec.compile(tok)
     for ours, theirs in zip(public[:-1], a[:-1]):
         np.testing.assert_array_equal(ours, theirs)
-    # outlines' states from which an END can be reached: the export keeps only those.
-    table = index.get_transitions()
-    finals = index.get_final_states()
-    productive = {s for s, row in table.items() if row.get(end) in finals}
-    while True:
-        more = {s for s, row in table.items() if s not in productive and any(d in productive for t, d in row.items() if t not in (EOS, end))}
-        if not more:
-            break
-        productive |= more
+    # Only tokens to outlines' states from which an END can be reached (`Outlines.allowed`).
     for k, state in enumerate(states.tolist()):
-        outlines = set(index.get_allowed_tokens(state))
-        theirs = {t for t in outlines - {EOS, end} if index.get_next_state(state, t) in productive}
+        theirs = outlines.allowed(state) - {EOS}
         assert allowed(a, k) == theirs, k
         for t in theirs:
             assert states[step(a, k, t)] == index.get_next_state(state, t)
-        assert a.accepting[k] == (end in outlines and index.get_next_state(state, end) in finals)
+        assert a.accepting[k] == outlines.accepting(state)
         assert a.accepting[k] or theirs
 
 
@@ -314,149 +203,6 @@ def test_a_choice_writes_exactly_its_strings(tok):
 
     every(0, b"")
     assert found == set(choices)
-
-
-# --- against llguidance (compact whitespace) ------------------------------------------------
-
-
-def masks(lltok, schema) -> tuple:
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    matcher = llguidance.LLMatcher(lltok, grammar)
-    assert not matcher.is_error(), matcher.get_error()
-    bitmask = lnp.allocate_token_bitmask(1, lltok.vocab_size)
-
-    def mask() -> set[int]:
-        lnp.fill_next_token_bitmask(matcher, bitmask, 0)
-        bits = np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")
-        return set(np.flatnonzero(bits).tolist()) - {EOS}
-
-    return matcher, mask
-
-
-COMPARED = [
-    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"enum": ["x", "yy", 3]}}, "required": ["a", "b"], "additionalProperties": False},
-    {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "minItems": 1, "maxItems": 3},
-    {
-        "type": "object",
-        "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,5}$"}, "t": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}},
-        "required": ["s"],
-        "additionalProperties": False,
-    },
-    # A string with length bounds holds no escapes here: see test_difference_string_escapes.
-    {**NESTED, "properties": {**NESTED["properties"], "note": {"type": "string", "pattern": "^[a-z]{0,3}$"}}},
-]
-
-
-@pytest.mark.parametrize("schema", COMPARED, ids=range(len(COMPARED)))
-def test_masks_equal_llguidance_on_random_prefixes(tok, lltok, schema):
-    """Equal, except where llguidance forces the next bytes: then it allows only the
-    tokens of their canonical split (`{"` for `{"a":`), and we allow any token that
-    spells a prefix of them (`{` too): see the next test."""
-    a = eqrope.JsonSchema(schema).compile(tok)
-    rng, spelled, dist = random.Random(2), tok.token_bytes(), distances(a)
-    compared = 0
-    for _ in range(30):
-        matcher, mask = masks(lltok, schema)
-        s = 0
-        while True:
-            ours, theirs, forced = allowed(a, s), mask(), matcher.compute_ff_bytes()
-            assert theirs <= ours
-            assert all(forced.startswith(spelled[t]) for t in ours - theirs), (ours - theirs, forced)
-            compared += 1
-            if a.accepting[s] and (not ours or rng.random() < 0.25):
-                assert matcher.is_accepting()
-                break
-            options = sorted(ours) if rng.random() < 0.5 else [t for t in ours if dist[step(a, s, t)] < dist[s]]
-            t = rng.choice(options)
-            assert matcher.consume_token(t)
-            s = step(a, s, t)
-    assert compared > 100
-
-
-def _after(a, lltok, schema, ids):
-    matcher, mask = masks(lltok, schema)
-    s = 0
-    for t in ids:
-        assert t in allowed(a, s)
-        assert matcher.consume_token(t)
-        s = step(a, s, t)
-    return allowed(a, s), mask(), matcher
-
-
-def test_difference_forced_bytes(tok, raw, lltok):
-    """Where the schema forces `{"a":`, llguidance allows only its canonical first token;
-    we allow every token that spells a prefix of it, `{` among them."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
-    ours, theirs, matcher = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, [])
-    brace, brace_quote = raw.token_to_id("{"), raw.token_to_id('{"')
-    assert matcher.compute_ff_bytes() == b'{"a":'
-    assert {brace, brace_quote} <= ours and brace_quote in theirs and brace not in theirs
-
-
-def test_difference_string_escapes(tok, raw, lltok):
-    """After a backslash in a string we allow `\\/` but never `\\u` (no `\\uXXXX` escapes);
-    llguidance the other way round. Both are valid JSON. A string with length bounds holds
-    no escapes here."""
-    schema = {"type": "string"}
-    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, raw.encode('"\\').ids)
-    slash, u = raw.token_to_id("/"), raw.token_to_id("u")
-    assert slash in ours and slash not in theirs
-    assert u in theirs and u not in ours
-    assert ours - {slash} <= theirs
-    bounded = {"type": "string", "maxLength": 5}  # no escapes at all (outlines-core is slow to build them)
-    ours, theirs, _ = _after(eqrope.JsonSchema(bounded).compile(tok), lltok, bounded, raw.encode('"').ids)
-    backslash = raw.token_to_id("\\")
-    assert backslash in theirs and backslash not in ours and ours <= theirs
-
-
-def test_difference_exponent_sign(tok, raw, lltok):
-    """A number's exponent needs its sign here (`1e+5`, as outlines-core writes it);
-    llguidance also allows `1e5`."""
-    schema = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"], "additionalProperties": False}
-    ids = [t for c in '{"n":1e' for t in raw.encode(c).ids]
-    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
-    plus, five = raw.token_to_id("+"), raw.token_to_id("5")
-    assert plus in ours and plus in theirs and five in theirs and five not in ours
-
-
-def test_an_accepting_state_may_go_on(tok, raw, lltok):
-    """outlines-core 0.2.14 keeps, out of a state where its regex matches, only the tokens
-    that lead to another such state: after a top-level `1` no `.`, after `no` no `t` of
-    `nothing`. With the END marker no state but the last matches: `.` is allowed, as in
-    llguidance."""
-    schema = {"type": "number"}
-    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, [raw.token_to_id("1")])
-    dot = raw.token_to_id(".")
-    assert dot in ours and ours == theirs
-    plain = oc.Index("1(x5)?", oc.Vocabulary(EOS, {b: [i] for i, b in enumerate(tok.token_bytes()) if b}))
-    one = raw.token_to_id("1")
-    assert plain.get_allowed_tokens(plain.get_next_state(plain.get_initial_state(), one)) == [EOS]
-    a = eqrope.Regex("1(x5)?").compile(tok)
-    assert allowed(a, step(a, 0, one)) == {raw.token_to_id("x")} and a.accepting[step(a, 0, one)]
-    a = eqrope.Choice(["no", "nothing"]).compile(tok)
-    s = 0
-    for t in raw.encode("no").ids:
-        s = step(a, s, t)
-    assert a.accepting[s] and allowed(a, s)
-
-
-def test_difference_day_of_month(tok, raw, lltok):
-    """A `date` allows days 01-31 in every month; llguidance knows each month's length."""
-    schema = {"type": "string", "format": "date"}
-    ids = [t for c in '"2023-02-' for t in raw.encode(c).ids]
-    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
-    three = raw.token_to_id("3")
-    assert three in ours and three not in theirs
-
-
-def test_difference_additional_properties(tok, raw, lltok):
-    """Without `additionalProperties: false` llguidance may add properties; we write only
-    the listed ones (a subset of the valid texts)."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    ids = [t for c in '{"a":1' for t in raw.encode(c).ids]
-    ours, theirs, _ = _after(eqrope.JsonSchema(schema).compile(tok), lltok, schema, ids)
-    comma = raw.token_to_id(",")
-    assert comma in theirs and comma not in ours
 
 
 # --- refusals ------------------------------------------------------------------------------
