@@ -9,6 +9,7 @@ greedy answer with `eqrope.generate(..., constraint=)` on the checkpoint read he
 import asyncio
 import json
 import re
+import sys
 import threading
 import time
 
@@ -153,7 +154,7 @@ def test_running_requests_stream_while_a_schema_compiles(server, client):
     assert inside, (window, finished[:3])
 
 
-def test_a_compile_past_the_timeout_is_a_408_and_no_capacity_a_400(local):  # noqa: F811
+def test_a_compile_past_the_timeout_is_a_408_and_no_capacity_a_400(local, monkeypatch):  # noqa: F811
     from eqrope.serving.server._errors import APIError
     from eqrope.serving.server._structured import Compiler
 
@@ -173,3 +174,6 @@ def test_a_compile_past_the_timeout_is_a_408_and_no_capacity_a_400(local):  # no
     assert error.value.status == 400 and "--constraint-capacity" in error.value.message
     compiler.close()
     off.close()
+    monkeypatch.setitem(sys.modules, "outlines_core", None)  # as if the extra were not installed
+    with pytest.raises(ImportError, match=r'pip install "eqrope\[structured\]"'):
+        Compiler(tok, 320, (64, 1024), timeout=1.0)
