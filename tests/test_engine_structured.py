@@ -125,6 +125,31 @@ def test_new_schemas_compile_nothing(engine, model, tok):
     assert re.fullmatch(r"[a-c]{3}", texts[3]) and texts[4] in ("up", "down")
 
 
+def test_think_end_starts_the_constraint_after_it(engine, plain, model, tok, automata):
+    """`submit(..., think_end=)` against `generate(..., think_end=)` alone; greedy, the
+    text before the end-of-thinking id is the free text, and the rest matches."""
+    prompt = np.asarray(tok.encode("One, two"), np.int32)
+    free = plain.generate([prompt], Config(max_new=NEW, temperature=0.0))[0].tokens.tolist()
+    think = [free[3]]
+    ends = {}
+    for i, t in enumerate((0.0, 1.0)):
+        config = Config(max_new=NEW, eos_id=list(tok.eos_ids), temperature=t)
+        ends[engine.submit(prompt, config, key=jax.random.key(i), constraint=automata["regex"], think_end=think)] = i
+    tokens = {i: [] for i in ends.values()}
+    while engine.has_work():
+        for event in engine.step():
+            tokens[ends[event.request_id]] += event.tokens.tolist()
+    for i, t in enumerate((0.0, 1.0)):
+        alone, _ = _alone(model, tok, prompt, jax.random.key(i), automata["regex"], temperature=t, think_end=think)
+        assert tokens[i] == alone
+    greedy = tokens[0]
+    assert greedy[:4] == free[: free.index(think[0]) + 1]
+    assert re.fullmatch(REGEX, tok.decode(greedy[4:-1])) and greedy[-1] in tok.eos_ids
+    with pytest.raises(ValueError, match="think_end applies to a constrained request"):
+        engine.submit(prompt, max_new=4, think_end=think)
+    assert not engine.constraints.held
+
+
 def test_refusals_name_the_argument(engine, plain, model, tok, automata):
     prompt = np.asarray(tok.encode("The cat"), np.int32)
     with pytest.raises(ValueError, match=r"constraint_capacity=\(states, exceptions\)"):

@@ -14,6 +14,10 @@ Plain host bookkeeping, like the scheduler's pages: a block counts the requests 
 it, and is freed when the last one ends; a request takes its block when it is admitted,
 and waits in the queue while the table has no room for it (first fit). A new schema is
 a new traced value of the same shapes: it compiles nothing.
+
+With `think_end`, a request's automaton is `thinking`'s: `generate`'s THINK chain
+(`_constraint_table.py`: everything allowed but EOS, until the end-of-thinking ids)
+before the automaton's states, as one automaton of its own, kept per (automaton, ids).
 """
 
 import dataclasses
@@ -26,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..generation._automaton import Automaton
 from ..generation._constraint import FREE, ConstraintTable, advance, constrain_logits
-from ..generation._constraint_table import _SPARE_TOKEN, _check_capacity, check_automaton
+from ..generation._constraint_table import _SPARE_TOKEN, _check_capacity, _check_think, _think_chain, check_automaton
 from ..generation._sampling import Sampling, choose_rows, model_logprob
 
 
@@ -56,6 +60,13 @@ def fits(automaton: Automaton, capacity: tuple[int, int]) -> bool:
     return states + 1 <= capacity[0] and exceptions <= capacity[1]
 
 
+def constraint_blocks(capacity, vocab: int, mesh) -> "ConstraintBlocks | None":
+    """The engine's `ConstraintBlocks`, or `None` without a `capacity` (constraints off)."""
+    if capacity is not None and mesh is not None:
+        raise ValueError("constraint_capacity runs on one device for now; drop mesh= or constraint_capacity=.")
+    return None if capacity is None else ConstraintBlocks(capacity, vocab)
+
+
 class ConstraintBlocks:
     """The host's copy of the table, its blocks, and which request holds which block."""
 
@@ -77,7 +88,26 @@ class ConstraintBlocks:
         self.host.allowed[FREE], self.host.accepting[FREE] = 0xFFFFFFFF, True
         self.blocks: dict[int, _Block] = {}  # by the automaton's id (the block keeps it alive)
         self.held: dict[int, _Block] = {}  # by request id
+        self.thinking_kept: dict[tuple, tuple[Automaton, Automaton]] = {}  # (id, ids): (automaton, with THINK)
         self._device: ConstraintTable | None = None
+
+    def request(self, constraint, think_end) -> Automaton | None:
+        """`Engine.submit`'s checked `constraint` (with its THINK chain, given `think_end`)."""
+        if constraint is None:
+            if think_end is not None:
+                raise ValueError("think_end applies to a constrained request; pass constraint= too, or drop think_end.")
+            return None
+        self.check(constraint)
+        think = _check_think(think_end, self.vocab)
+        if think is None:
+            return constraint
+        key = (id(constraint), think)
+        if key not in self.thinking_kept:
+            if len(self.thinking_kept) >= 32:
+                del self.thinking_kept[next(iter(self.thinking_kept))]
+            self.thinking_kept[key] = (constraint, thinking(constraint, think))
+        self.check(self.thinking_kept[key][1])
+        return self.thinking_kept[key][1]
 
     def check(self, automaton, name: str = "constraint") -> None:
         """A `TypeError`/`ValueError` naming `name` for what is not an `Automaton` over the
@@ -165,6 +195,24 @@ class ConstraintBlocks:
         forced[0] = True
         host.exc_start[:] = np.maximum.accumulate(np.where(forced, starts, 0))
         self._device = None
+
+
+def thinking(automaton: Automaton, think: tuple[int, ...]) -> Automaton:
+    """`automaton` after a THINK chain of `len(think)` states (`_constraint_table._think_chain`),
+    which starts it: free text without EOS until the ids `think`, then `automaton`."""
+    m, words = len(think), np.shape(automaton.allowed)[1]
+    default, chain = _think_chain(think, 0, m)
+    i32 = lambda x: np.asarray(x, np.int32)
+    counts = [len(row) for row in chain] + np.diff(automaton.exc_start).tolist()
+    return Automaton(
+        allowed=np.concatenate([np.full((m, words), 0xFFFFFFFF, np.uint32), automaton.allowed]),
+        default_next=i32(np.concatenate([default, np.asarray(automaton.default_next) + m])),
+        exc_start=i32(np.concatenate([[0], np.cumsum(counts)])),
+        exc_token=i32([c for row in chain for c, _ in row] + list(automaton.exc_token)),
+        exc_next=i32([n for row in chain for _, n in row] + (np.asarray(automaton.exc_next) + m).tolist()),
+        accepting=np.concatenate([np.zeros((m,), np.bool_), automaton.accepting]),
+        vocab=automaton.vocab,
+    )
 
 
 def choose_slots(

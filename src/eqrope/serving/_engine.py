@@ -17,7 +17,7 @@ from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._sampling import stack_rows
-from ._constraints import ConstraintBlocks
+from ._constraints import constraint_blocks
 from ._mesh_layout import by_shard, check_pages, data_shards, decode_slots, place_rows
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
@@ -133,9 +133,7 @@ class Engine:
             pages -= pages % self.shards
         per_shard = check_pages(check_int(pages, "pages", minimum=2), self.shards)
         self.vocab = config.vocab_size
-        self.constraints = None if constraint_capacity is None else ConstraintBlocks(constraint_capacity, self.vocab)
-        if self.constraints is not None and mesh is not None:
-            raise ValueError("constraint_capacity runs on one device for now; drop mesh= or constraint_capacity=.")
+        self.constraints = constraint_blocks(constraint_capacity, self.vocab, mesh)
         self.runner = Runner(
             model, slots=self.slots, pages=pages, page_size=self.page_size, max_len=self.max_len,
             chunk=self.prefill_chunk, mesh=mesh, rules=rules, shards=self.shards, constraints=self.constraints,
@@ -157,7 +155,9 @@ class Engine:
 
     # -- the online calls --------------------------------------------------------------
 
-    def submit(self, prompt, config: GenerationConfig | None = None, *, key=None, constraint=None, **settings) -> int:
+    def submit(
+        self, prompt, config: GenerationConfig | None = None, *, key=None, constraint=None, think_end=None, **settings
+    ) -> int:
         """Queue one 1-D prompt with its settings and key. **Returns:** its request id.
 
         The settings are `config`'s (a [`eqrope.GenerationConfig`][], `max_new` or
@@ -165,7 +165,8 @@ class Engine:
         them) over it. `key` samples, as `generate(prompt, key=key)` would; `None`:
         `jax.random.key(request_id)`. `constraint`: an `Automaton` (`eqrope.Regex(...)
         .compile(tokenizer, vocab=)`) every sample's text must match, as
-        `generate(..., constraint=)` runs it (needs `constraint_capacity`).
+        `generate(..., constraint=)` runs it (needs `constraint_capacity`); `think_end`,
+        as `generate`'s: the constraint starts after these ids (a reasoning model's text).
 
         Refuses, by a `ValueError` naming the fix, a prompt that cannot fit `max_len`,
         settings past the engine's capacities, more samples than slots, or a request
@@ -173,10 +174,9 @@ class Engine:
         `RuntimeError` a full waiting queue (nothing is dropped: the caller keeps it).
         """
         prompt, config = request_config(prompt, config, settings, self.vocab, self.max_len)
-        if constraint is not None and self.constraints is None:
+        if self.constraints is None and (constraint is not None or think_end is not None):
             raise ValueError("constraint= needs an Engine built with constraint_capacity=(states, exceptions).")
-        if constraint is not None:
-            self.constraints.check(constraint)
+        constraint = None if self.constraints is None else self.constraints.request(constraint, think_end)
         sampling = request_sampling(config, self.vocab, self.caps)
         samples = config.num_samples
         if (samples or 1) > self.slots // self.shards:  # a request's samples share a data shard
