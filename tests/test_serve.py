@@ -268,6 +268,7 @@ BAD = [
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),  # no --constraint-capacity
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"max_tokens": 3}, 400, "prompt"),

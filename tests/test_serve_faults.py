@@ -221,7 +221,7 @@ class FakeEngine:
     def __init__(self, bad: int):
         self.bad, self.requests, self.ids = bad, {}, iter(range(10**6))
 
-    def submit(self, prompt, config, key=None):
+    def submit(self, prompt, config, key=None, constraint=None):
         rid = next(self.ids)
         self.requests[rid] = config.max_new
         return rid

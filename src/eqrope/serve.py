@@ -51,6 +51,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish the requests in flight on SIGTERM")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="compile every engine program before serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--constraint-capacity", type=_pair, default=None, metavar="STATES,EXCEPTIONS",
+                   help="serve response_format and structured_outputs: the engine's table of the running "
+                   "requests' automata (e.g. 4096,65536; needs the [structured] extra)")
+    p.add_argument("--structured-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="how long a request waits for its schema's compile before a 408 (default: 10)")
     p.add_argument("--mesh", type=_pair, default=None, metavar="DATA,MODEL",
                    help="run the engine on a (data, model) mesh of the devices (of every process)")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="join a jax.distributed job (process 0's address)")
@@ -61,10 +66,11 @@ def parser() -> argparse.ArgumentParser:
 
 def _pair(text: str) -> tuple[int, int]:
     try:
-        data, model = (int(n) for n in text.split(","))
+        first, second = (int(n) for n in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh takes DATA,MODEL (two device counts, e.g. 8,1), got {text!r}") from None
-    return data, model
+        raise argparse.ArgumentTypeError(f"takes two ints, like 8,1 (--mesh DATA,MODEL) or 4096,65536 "
+                                         f"(--constraint-capacity STATES,EXCEPTIONS), got {text!r}") from None  # fmt: skip
+    return first, second
 
 
 def defaults_of(folder: Path) -> dict:
@@ -129,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
             model, tokenizer, name=name, source=str(folder), slots=args.slots, max_len=args.max_len,
             page_size=args.page_size, prefill_chunk=args.prefill_chunk, decode_steps=args.decode_steps,
             max_waiting=args.max_waiting, api_key=args.api_key, defaults=defaults_of(folder),
-            warmup=args.warmup, mesh=mesh,
+            warmup=args.warmup, mesh=mesh, constraint_capacity=args.constraint_capacity,
+            structured_timeout=args.structured_timeout,
         )  # fmt: skip
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         raise SystemExit(f"python -m eqrope.serve: {e}") from None
     logging.getLogger("eqrope.serving").info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     # uvicorn drains on SIGTERM and SIGINT, then raises the signal again to end the

@@ -17,9 +17,11 @@ from .._checks import check_int
 from .._custom_types import IntLike
 from ..generation import GenerationConfig
 from ..generation._sampling import stack_rows
+from ._constraints import constraint_blocks
 from ._mesh_layout import by_shard, check_pages, data_shards, decode_slots, place_rows
 from ._pages import PagePool, page_hashes
 from ._paged_cache import pool_pages
+from ._offline import run_to_end
 from ._runner import Runner
 from ._scheduler import Scheduler
 from ._sequence import EngineStats, Event, Request, Sequence, finish_reason
@@ -63,6 +65,10 @@ class Engine:
       default) refuses them and costs nothing (docs/serving.md).
     - `check_finite`: stop a sample whose logits hold a NaN or an infinity
       (`finish_reason` `"nonfinite"`).
+    - `constraint_capacity`: `(states, exceptions)` of the table that holds the running
+      requests' structured-output automata (`submit(..., constraint=)`), FREE and one
+      spare state per automaton included; `None` (the default) refuses constraints and
+      costs nothing. A request waits while the table cannot hold its automaton.
     - `mesh`, `rules`: a device mesh ([`eqrope.make_mesh`][]) and its
       [`eqrope.ShardingRules`][] (`None`: the defaults): the weights over the `model`
       axis, the slots and the pool's pages split over the `data` axis in `D` shards
@@ -91,6 +97,7 @@ class Engine:
         max_stop_string_bytes: IntLike = 16,
         max_stop_string_tokens: IntLike = 256,
         check_finite: bool = True,
+        constraint_capacity: tuple[IntLike, IntLike] | None = None,
         mesh=None,
         rules=None,
     ):
@@ -126,9 +133,10 @@ class Engine:
             pages -= pages % self.shards
         per_shard = check_pages(pages := check_int(pages, "pages", minimum=2), self.shards)
         self.vocab = config.vocab_size
+        self.constraints = constraint_blocks(constraint_capacity, self.vocab, mesh)
         self.runner = Runner(
             model, slots=self.slots, pages=pages, page_size=self.page_size, max_len=self.max_len,
-            chunk=self.prefill_chunk, mesh=mesh, rules=rules, shards=self.shards,
+            chunk=self.prefill_chunk, mesh=mesh, rules=rules, shards=self.shards, constraints=self.constraints,
         )  # fmt: skip
         pools = [PagePool(per_shard, self.page_size, first=d * per_shard) for d in range(self.shards)]
         self.scheduler = Scheduler(pools, self.slots, self.prefill_chunk, self.max_waiting)
@@ -147,13 +155,18 @@ class Engine:
 
     # -- the online calls --------------------------------------------------------------
 
-    def submit(self, prompt, config: GenerationConfig | None = None, *, key=None, **settings) -> int:
+    def submit(
+        self, prompt, config: GenerationConfig | None = None, *, key=None, constraint=None, think_end=None, **settings
+    ) -> int:
         """Queue one 1-D prompt with its settings and key. **Returns:** its request id.
 
         The settings are `config`'s (a [`eqrope.GenerationConfig`][], `max_new` or
         `max_total` required) with `settings` (its fields as keywords, as `generate` takes
         them) over it. `key` samples, as `generate(prompt, key=key)` would; `None`:
-        `jax.random.key(request_id)`.
+        `jax.random.key(request_id)`. `constraint`: an `Automaton` (`eqrope.Regex(...)
+        .compile(tokenizer, vocab=)`) every sample's text must match, as
+        `generate(..., constraint=)` runs it (needs `constraint_capacity`); `think_end`,
+        as `generate`'s: the constraint starts after these ids (a reasoning model's text).
 
         Refuses, by a `ValueError` naming the fix, a prompt that cannot fit `max_len`,
         settings past the engine's capacities, more samples than slots, or a request
@@ -161,6 +174,9 @@ class Engine:
         `RuntimeError` a full waiting queue (nothing is dropped: the caller keeps it).
         """
         prompt, config = request_config(prompt, config, settings, self.vocab, self.max_len)
+        if self.constraints is None and (constraint is not None or think_end is not None):
+            raise ValueError("constraint= needs an Engine built with constraint_capacity=(states, exceptions).")
+        constraint = None if self.constraints is None else self.constraints.request(constraint, think_end)
         sampling = request_sampling(config, self.vocab, self.caps)
         samples = config.num_samples
         if (samples or 1) > self.slots // self.shards:  # a request's samples share a data shard
@@ -174,7 +190,7 @@ class Engine:
         key = jax.random.key(request_id) if key is None else key
         request = Request(
             request_id, prompt, config, sampling, config.max_new, sample_keys(key, samples),
-            page_hashes(prompt.tolist(), self.page_size),
+            page_hashes(prompt.tolist(), self.page_size), constraint=constraint,
         )  # fmt: skip
         worst, room = self.scheduler.worst_case(request), self.scheduler.pools[0].n_pages - 1
         if worst > room:
@@ -228,7 +244,7 @@ class Engine:
     def step(self) -> list[Event]:
         """Admit, prefill, start and decode once. **Returns:** every event since the last call."""
         events, self._pending = self._pending, []
-        self.scheduler.admit()
+        self.scheduler.admit(None if self.constraints is None else self.constraints.hold)
         started = self._prefill()
         while self.scheduler.prefilling and not self.scheduler.running():
             started += self._prefill()
@@ -263,37 +279,18 @@ class Engine:
 
     # -- the offline call --------------------------------------------------------------
 
-    def generate(self, prompts, configs=None, *, keys=None) -> list:
+    def generate(self, prompts, configs=None, *, keys=None, constraints=None) -> list:
         """Run every prompt to its end, like vLLM's `LLM.generate`.
 
         **Arguments:** `prompts`, a list of 1-D id arrays; `configs`, one
         `GenerationConfig` for all or a list with one per prompt; `keys`, one PRNG key per
-        prompt, or `None`: prompt `i` samples with `jax.random.key(i)`.
+        prompt, or `None`: prompt `i` samples with `jax.random.key(i)`; `constraints`,
+        one `Automaton` (or `None`) per prompt, or `None` (see `submit`).
 
         **Returns:** one entry per prompt, in order: a `Completion`, or a list of
         `num_samples` of them.
         """
-        prompts = list(prompts)
-        configs = list(configs) if isinstance(configs, (list, tuple)) else [configs] * len(prompts)
-        keys = [jax.random.key(i) for i in range(len(prompts))] if keys is None else list(keys)
-        if not (len(configs) == len(keys) == len(prompts)):
-            raise ValueError(
-                f"{len(prompts)} prompts need as many configs and keys, got {len(configs)} "
-                f"configs and {len(keys)} keys."
-            )
-        ids, queue = [], list(range(len(prompts)))[::-1]
-        while queue or self.has_work():
-            while queue and len(self.scheduler.waiting) < self.max_waiting:
-                i = queue.pop()
-                ids.append(self.submit(prompts[i], configs[i], key=keys[i]))
-                self._kept[ids[-1]] = None
-            self.step()
-        results = []
-        for request_id in ids:
-            request = self._kept.pop(request_id)
-            done = [s.completion() for s in request.sequences]
-            results.append(done if request.config.num_samples is not None else done[0])
-        return results
+        return run_to_end(self, prompts, configs, keys, constraints)
 
     # -- the device side ---------------------------------------------------------------
 
@@ -340,9 +337,10 @@ class Engine:
             self._sampling[slot] = request.sampling
             self._keys[slot] = request.keys[sequence.sample]
             self._max_new[slot] = request.max_new
+            state = () if self.constraints is None else (self.constraints.start(request.id),)
             firsts.append(self.runner.start(
                 slot, logits, request.prompt, request.sampling, self._keys[slot], request.max_new,
-                self.check_finite,
+                self.check_finite, *state,
             ))  # fmt: skip
         events = []
         for sequence, (token, logprob, done, nonfinite) in zip(sequences, jax.device_get(firsts)):
@@ -395,6 +393,8 @@ class Engine:
     def _finished(self, request: Request) -> None:
         """A request whose samples have all ended leaves the engine (kept for `generate`)."""
         self._requests.pop(request.id, None)
+        if self.constraints is not None:
+            self.constraints.release(request.id)
         if request.id in self._kept:
             self._kept[request.id] = request
 

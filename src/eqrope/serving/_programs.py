@@ -32,8 +32,10 @@ from jaxtyping import Array, Bool, Float, Int
 from .._log import compiling
 from ..generation._arrays import rebuild
 from ..generation._processors import History, prompt_history
-from ..generation._sampling import Sampling, choose_rows
+from ..generation._constraint import FREE
+from ..generation._sampling import Sampling
 from ..generation._state import TextState, check_logits, commit, start_text
+from ._constraints import SlotConstraints, choose_slots
 from ._paged_cache import PagedCache, page_rows
 
 
@@ -109,23 +111,30 @@ def start_slot(
     key,
     max_new: Int[Array, ""],
     check_finite: Bool[Array, ""],
+    constraint: SlotConstraints | None = None,
+    state: Int[Array, ""] | None = None,
 ):
     """Slot `slot` takes the prompt `prompt[:length]` and its first token, drawn from the
-    prompt's last `logits` with the slot's settings (fields with a leading axis of one).
+    prompt's last `logits` with the slot's settings (fields with a leading axis of one),
+    masked by its automaton (from `state`) with a `constraint` (`_constraints.py`).
 
-    **Returns:** `(text, first)`: `first` is the token, its log-probability, and whether
-    the sample is done and whether its logits were non-finite, for the host."""
+    **Returns:** `(text, first)`, and the slots' automaton states after them with a
+    `constraint`: `first` is the token, its log-probability, and whether the sample is
+    done and whether its logits were non-finite, for the host."""
     _log("engine start", f"a slot of {prompt.shape[0]} positions")
     lengths = length[None]
     history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(prompt[None], lengths)
     row = start_text(prompt[None], lengths, history, max_new[None])
     logits = logits[None]
     row, active = _checked(check_finite, row, logits, ~row.done)
-    token, logprob, own = choose_rows(logits, row.history, row.n_new, key[None], row.pos, sampling)
+    table, states = (None, None) if constraint is None else (constraint.table, state[None])
+    row, active, (token, logprob, own), states = choose_slots(table, states, logits, row, active, key[None], sampling)
     row = commit(row, token, logprob, own, active, max_new[None], sampling, None)
     text = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one[0]), text, row)
     first = (row.tokens[0, length], row.logprobs[0, length], row.done[0], row.nonfinite[0])
-    return text, first
+    if constraint is None:
+        return text, first
+    return text, first, constraint.states.at[slot].set(states[0])
 
 
 start_program = jax.jit(start_slot, donate_argnames=("text",))
@@ -144,6 +153,7 @@ def decode_chunk(
     steps: Int[Array, ""],
     exit_after: Int[Array, ""],
     check_finite: Bool[Array, ""],
+    constraint: SlotConstraints | None = None,
     *,
     structure,
     chunk: int,
@@ -151,13 +161,15 @@ def decode_chunk(
 ):
     """Up to `steps` decode steps of slots `rows` (those not `live` are padding and do
     nothing). Each step feeds each running slot's last token at its position, writes its
-    key and value to its page, and commits the next token. The loop ends early when
-    `exit_after` slots have finished in it. Inside a `shard_map` over `data_axis`, the
-    loop's condition and its cache bounds count every shard's rows: every device runs
-    the same steps and the same chunks of the cache.
+    key and value to its page, and commits the next token (masked by the slot's automaton
+    with a `constraint`: `_constraints.py`). The loop ends early when `exit_after` slots
+    have finished in it. Inside a `shard_map` over `data_axis`, the loop's condition and
+    its cache bounds count every shard's rows: every device runs the same steps and the
+    same chunks of the cache.
 
-    **Returns:** `(pool, text, view)`: `view` holds the `rows`' `tokens`, `logprobs`,
-    `pos`, `done` and `nonfinite`, for the host.
+    **Returns:** `(pool, text, view)`, and the slots' automaton states with a
+    `constraint`: `view` holds the `rows`' `tokens`, `logprobs`, `pos`, `done` and
+    `nonfinite`, for the host.
     """
     _log("engine decode", f"{rows.shape[0]} slots, {text.tokens.shape[1]} positions")
     model = rebuild(arrays, structure)
@@ -165,9 +177,12 @@ def decode_chunk(
     sub = jax.tree.map(lambda x: x[rows], text)
     sub = dataclasses.replace(sub, done=sub.done | ~live)
     index = jnp.arange(rows.shape[0])
+    table = None if constraint is None else constraint.table
+    # Padding rows are FREE: a slot's last state, left by an ended request, costs nothing.
+    automata = None if constraint is None else jnp.where(live, constraint.states[rows], FREE)
 
     def step(carry):
-        i, sub, pool, finished = carry
+        i, sub, automata, pool, finished = carry
         active = ~sub.done
         feed = jnp.maximum(sub.pos - 1, 0)
         token = sub.tokens[index, feed]
@@ -189,21 +204,26 @@ def decode_chunk(
         pages, offsets = page_rows(tables, feed, active, page_size)
         pool = pool.write(_rows_last(k), _rows_last(v), pages, offsets)
         sub, active = _checked(check_finite, sub, logits, active)
-        token, logprob, own = choose_rows(logits, sub.history, sub.n_new, keys, sub.pos, sampling)
+        done = sub.done
+        sub, active, (token, logprob, own), automata = choose_slots(
+            table, automata, logits, sub, active, keys, sampling
+        )
         new = commit(sub, token, logprob, own, active, max_new, sampling, None)
-        finished = finished + jnp.sum(new.done & ~sub.done, dtype=jnp.int32)
-        return i + 1, new, pool, finished
+        finished = finished + jnp.sum(new.done & ~done, dtype=jnp.int32)
+        return i + 1, new, automata, pool, finished
 
     def going(carry):
-        i, sub, _, finished = carry
+        i, sub, _, _, finished = carry
         busy = _across(jnp.sum(~sub.done, dtype=jnp.int32), data_axis, jax.lax.psum)
         return (i < steps) & (busy > 0) & (_across(finished, data_axis, jax.lax.psum) < exit_after)
 
     zero = jnp.zeros((), jnp.int32)
-    _, sub, pool, _ = jax.lax.while_loop(going, step, (zero, sub, pool, zero))
+    _, sub, automata, pool, _ = jax.lax.while_loop(going, step, (zero, sub, automata, pool, zero))
     text = jax.tree.map(lambda all_rows, some: all_rows.at[rows].set(some), text, sub)
     view = {name: getattr(sub, name) for name in ("tokens", "logprobs", "pos", "done", "nonfinite")}
-    return pool, text, view
+    if constraint is None:
+        return pool, text, view
+    return pool, text, view, constraint.states.at[rows].set(automata)
 
 
 decode_program = jax.jit(decode_chunk, static_argnames=("structure", "chunk"), donate_argnames=("pool", "text"))

@@ -9,10 +9,12 @@ them as ids within its own part (`slot % S`, `page % P`: `_mesh_layout.py`).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..generation._arrays import split_model
 from ..generation._sampling import stack_rows
+from ._constraints import SlotConstraints
 from ._mesh_programs import place_on_mesh
 from ._paged_cache import PagedCache
 from ._programs import ONE_DEVICE, empty_text
@@ -21,7 +23,7 @@ from ._programs import ONE_DEVICE, empty_text
 class Runner:
     def __init__(
         self, model, *, slots: int, pages: int, page_size: int, max_len: int, chunk: int, mesh=None, rules=None,
-        shards: int = 1,
+        shards: int = 1, constraints=None,
     ):  # fmt: skip
         config = model.config
         model = model.unstacked()
@@ -34,6 +36,12 @@ class Runner:
         self.chunk, self.max_len, self.vocab = chunk, max_len, config.vocab_size
         self.max_pages = max_len // page_size
         self.shards, self.slots_per_shard, self.pages_per_shard = shards, slots // shards, pages // shards
+        # With the engine's `ConstraintBlocks`: each slot's automaton state (`_constraints.py`).
+        self.constraints = constraints
+        self.automata = None if constraints is None else jnp.zeros((slots,), jnp.int32)
+
+    def _constraint(self):
+        return None if self.constraints is None else SlotConstraints(self.constraints.device(), self.automata)
 
     def prefill(self, tables, ids, starts, last, live):
         """One prefill call (`prefill_program`). **Returns:** the logits at each row's
@@ -44,27 +52,37 @@ class Runner:
         )  # fmt: skip
         return logits
 
-    def start(self, slot: int, logits, prompt: np.ndarray, sampling, key, max_new: int, check_finite):
-        """Slot `slot` takes `prompt` and its first token (`start_program`). **Returns:**
-        `(token, logprob, done, nonfinite)`, on the device."""
+    def start(self, slot: int, logits, prompt: np.ndarray, sampling, key, max_new: int, check_finite, state=0):
+        """Slot `slot` takes `prompt` and its first token (`start_program`), its automaton
+        starting in `state` (with constraints). **Returns:** `(token, logprob, done,
+        nonfinite)`, on the device."""
         row = np.zeros((self.max_len,), np.int32)
         row[: len(prompt)] = prompt
         one = jax.tree.map(lambda x: np.asarray(x)[None], sampling)
-        self.text, first = self.programs.start(
+        constraint = self._constraint()
+        out = self.programs.start(
             self.text, np.int32(slot), logits, row, np.int32(len(prompt)), one, key,
-            np.int32(max_new), check_finite,
+            np.int32(max_new), check_finite, *(() if constraint is None else (constraint, np.int32(state))),
         )  # fmt: skip
+        self.text, first = out[:2]
+        if constraint is not None:
+            self.automata = out[2]
         return first
 
     def decode(self, rows, live, tables, sampling, keys, max_new, steps: int, exit_after: int, check_finite):
         """One chunk of decode steps (`decode_program`) over the slots `rows`, the same
         number of each shard's. **Returns:** the rows' `tokens`, `logprobs`, `pos`,
         `done` and `nonfinite`, on the host."""
-        self.pool, self.text, view = self.programs.decode(
+        constraint = self._constraint()
+        out = self.programs.decode(
             self.arrays, self.pool, self.text, np.asarray(rows, np.int32) % self.slots_per_shard, live,
             tables % self.pages_per_shard, sampling, keys, max_new, np.int32(steps), np.int32(exit_after),
-            check_finite, structure=self.structure, chunk=self.chunk,
+            check_finite, *(() if constraint is None else (constraint,)), structure=self.structure,
+            chunk=self.chunk,
         )  # fmt: skip
+        self.pool, self.text, view = out[:3]
+        if constraint is not None:
+            self.automata = out[3]
         return jax.device_get(view)
 
     def copy(self, pairs) -> None:

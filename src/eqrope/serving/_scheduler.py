@@ -65,10 +65,15 @@ class Scheduler:
         free = [i for i in range(first, first + self.per_shard) if self.slots[i] is None]
         return free[taken:]
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests, in order, into prefilling while slots and pages allow."""
+    def admit(self, hold=None) -> list[Request]:
+        """Move waiting requests, in order, into prefilling while slots and pages allow,
+        and `hold(request_id, constraint)`, if given, takes the request's constraint in
+        the engine's table (it keeps it while it waits for slots or pages)."""
         admitted = []
-        while self.waiting and self._admit(self.waiting[0]):
+        while self.waiting:
+            request = self.waiting[0]
+            if (hold is not None and not hold(request.id, request.constraint)) or not self._admit(request):
+                break
             admitted.append(self.waiting.popleft())
         return admitted
 

@@ -102,6 +102,7 @@ class Request:
     sequences: list = dataclasses.field(default_factory=list)
     copies: list = dataclasses.field(default_factory=list)  # (source, target) pages to copy at start
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    constraint: object = None  # an `Automaton` its samples' text must match (`_constraints.py`)
 
     @property
     def samples(self) -> int:

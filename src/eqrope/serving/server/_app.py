@@ -105,7 +105,8 @@ async def _generate(server, request: Request, make_job):
     body = await _json(request)
     job = make_job(body, server.tokenizer, server.limits, server.defaults)
     server.check_model(job.model)
-    run = JobRun(job, server, arrival)
+    constraint = await server.compiler.compile(job.structured)
+    run = JobRun(job, server, arrival, constraint)
     server.admit(run.samples)
     try:
         run.start()

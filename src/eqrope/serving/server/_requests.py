@@ -15,6 +15,7 @@ import jinja2
 
 from . import _fields as f
 from ._errors import bad_field
+from ._structured import FIELDS as STRUCTURED, requested_spec
 
 
 _SAMPLING = {
@@ -22,9 +23,9 @@ _SAMPLING = {
     "frequency_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "n",
     "stream", "stream_options", "user", "logit_bias", "model",
 }  # fmt: skip
-COMPLETION_FIELDS = _SAMPLING | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "add_special_tokens"}
-CHAT_FIELDS = _SAMPLING | {
-    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+COMPLETION_FIELDS = _SAMPLING | set(STRUCTURED) | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix", "add_special_tokens"}
+CHAT_FIELDS = _SAMPLING | set(STRUCTURED) | {
+    "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
 }  # fmt: skip
 
@@ -59,6 +60,7 @@ class Job:
     echo: bool
     stream: bool
     include_usage: bool
+    structured: tuple | None = None  # (spec, the field that asked for it): `_structured.py`
 
 
 def completion_job(body, tokenizer, limits: Limits, defaults: dict) -> Job:
@@ -77,7 +79,6 @@ def completion_job(body, tokenizer, limits: Limits, defaults: dict) -> Job:
 def chat_job(body, tokenizer, limits: Limits, defaults: dict) -> Job:
     body = _object(body)
     f.refuse_unknown(body, CHAT_FIELDS)
-    f.only(body, "response_format", ({"type": "text"},), "structured output is not implemented yet.")
     f.only(body, "tools", ([],), "eqrope's server does not call tools.")
     f.only(body, "tool_choice", ("none",), "eqrope's server does not call tools.")
     f.only(body, "parallel_tool_calls", (False, True), "it takes true or false.")
@@ -119,6 +120,7 @@ def _job(body, chat, prompts, texts, max_name, logprobs, echo, limits, defaults,
         max_tokens=tuple(max_tokens), n=n, settings=_settings(body, defaults, tokenizer, limits, min(max_tokens)),
         stop=f.strings(body, "stop"), seed=f.integer(body, "seed", None, low=-(2**63), high=2**63 - 1),
         logprobs=logprobs, echo=echo, stream=stream, include_usage=f.boolean(options, "include_usage"),
+        structured=requested_spec(body),
     )  # fmt: skip
 
 

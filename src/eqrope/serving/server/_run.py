@@ -51,8 +51,8 @@ class JobRun:
     """Run `job` on `server`'s engine. `events()` yields after each change; `choices`
     hold the state; `cancel()` ends whatever still runs."""
 
-    def __init__(self, job: Job, server, arrival: float):
-        self.job, self.server, self.arrival = job, server, arrival
+    def __init__(self, job: Job, server, arrival: float, constraint=None):
+        self.job, self.server, self.arrival, self.constraint = job, server, arrival, constraint
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tickets: list[Ticket | None] = []
         self.first_token: list[bool] = [False] * len(job.prompts)
@@ -83,7 +83,7 @@ class JobRun:
                 for choice in self._of(i):
                     choice.ended, choice.finish_reason = True, "length"
                 continue
-            ticket = Ticket(loop, self.queue, i, np.asarray(prompt, np.int32), self.configs[i], seed)
+            ticket = Ticket(loop, self.queue, i, np.asarray(prompt, np.int32), self.configs[i], seed, self.constraint)
             self.tickets.append(ticket)
             self.server.worker.submit(ticket)
         self.server.metrics.prompt_tokens.labels(**self.server.metrics.labels).inc(sum(map(len, self.job.prompts)))

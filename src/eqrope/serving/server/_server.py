@@ -14,6 +14,7 @@ from .._processes import dismiss, leading
 from ._errors import APIError, bad_field, overloaded
 from ._metrics import Metrics
 from ._requests import Limits
+from ._structured import Compiler
 from ._worker import Worker
 
 
@@ -31,6 +32,10 @@ class Server:
     - `api_key`: the key every `/v1` route asks for, or `None`.
     - `defaults`: the sampling defaults from the checkpoint's `generation_config.json`.
     - `warmup`: compile every engine program before serving.
+    - `constraint_capacity`: the engine's table of structured-output automata,
+      `(states, exceptions)` (`eqrope.Engine`'s); `None`: requests with
+      `response_format` or `structured_outputs` are answered 400 (`_structured.py`).
+    - `structured_timeout`: seconds a request waits for its schema's compile before a 408.
     - `mesh`: the engine's device mesh (`eqrope.Engine`'s `mesh`), or `None`. On a mesh
       over several processes this is process 0's server: the others follow its engine
       (`eqrope.serving.follow`, `python -m eqrope.serve --process-id`).
@@ -40,6 +45,7 @@ class Server:
         self, model, tokenizer, *, name: str, source: str = "", slots: IntLike = 8, max_len: IntLike | None = None,
         page_size: IntLike = 16, prefill_chunk: IntLike = 64, decode_steps: IntLike = 16, max_waiting: IntLike = 64,
         api_key: str | None = None, defaults: dict | None = None, warmup: bool = True, mesh=None,
+        constraint_capacity: tuple[IntLike, IntLike] | None = None, structured_timeout: float = 10.0,
     ):  # fmt: skip
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -50,7 +56,12 @@ class Server:
         self.name, self.source, self.api_key = name, source, api_key
         self.created = int(time.time())
         self.defaults = dict(defaults or {})
-        engine_args = engine_arguments(model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh)
+        engine_args = engine_arguments(
+            model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh, constraint_capacity
+        )
+        if not structured_timeout > 0:
+            raise ValueError(f"structured_timeout must be a positive number of seconds, got {structured_timeout}.")
+        self.compiler = Compiler(tokenizer, model.config.vocab_size, engine_args["constraint_capacity"], structured_timeout)
         self.capacity, slots, max_len = engine_args["max_waiting"], engine_args["slots"], engine_args["max_len"]
         self.limits = Limits(max_len=max_len, vocab=model.config.vocab_size, max_n=slots)
         self.metrics = Metrics(name)
@@ -62,6 +73,7 @@ class Server:
 
     def close(self) -> None:
         """After serving: end the other processes' `follow`, if any."""
+        self.compiler.close()
         if jax.process_count() > 1:
             dismiss(self.worker.engine)
 
@@ -98,7 +110,9 @@ class Server:
         self.held -= samples
 
 
-def engine_arguments(model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh) -> dict:
+def engine_arguments(
+    model, slots, max_len, page_size, prefill_chunk, decode_steps, max_waiting, mesh, constraint_capacity=None
+) -> dict:
     """The `eqrope.Engine` arguments of a server (the same in every process of one):
     its `max_waiting` holds the slots' samples too (the server's capacity)."""
     max_len = model.config.max_len if max_len is None else check_int(max_len, "max_len", minimum=1)
@@ -107,4 +121,5 @@ def engine_arguments(model, slots, max_len, page_size, prefill_chunk, decode_ste
     return dict(
         slots=slots, max_len=max_len, page_size=page_size, prefill_chunk=min(prefill_chunk, max_len),
         decode_steps=decode_steps, max_waiting=slots + check_int(max_waiting, "max_waiting", minimum=0), mesh=mesh,
+        constraint_capacity=None if constraint_capacity is None else tuple(constraint_capacity),
     )  # fmt: skip

@@ -30,12 +30,13 @@ class Ticket:
     """One engine request as the HTTP side sees it: what to submit, and where its events go.
 
     The worker posts `(tag, item)` pairs into `queue` on `loop`: an `Event`, or an
-    `APIError` if the request could not run.
+    `APIError` if the request could not run. `constraint`: its structured output's
+    `Automaton`, or `None`.
     """
 
-    def __init__(self, loop, queue_: asyncio.Queue, tag, prompt, config, seed: int):
+    def __init__(self, loop, queue_: asyncio.Queue, tag, prompt, config, seed: int, constraint=None):
         self.loop, self.queue, self.tag = loop, queue_, tag
-        self.prompt, self.config, self.seed = prompt, config, seed
+        self.prompt, self.config, self.seed, self.constraint = prompt, config, seed, constraint
         self.samples = config.num_samples or 1
         self.ended = 0  # samples whose last event was posted
         self.request_id: int | None = None
@@ -136,7 +137,7 @@ class Worker:
     def _submit(self, ticket: Ticket) -> None:
         try:
             key = seed_key(ticket.seed)
-            ticket.request_id = self.engine.submit(ticket.prompt, ticket.config, key=key)
+            ticket.request_id = self.engine.submit(ticket.prompt, ticket.config, key=key, constraint=ticket.constraint)
         except (ValueError, TypeError) as e:
             ticket.post(APIError(400, str(e), param=None))
             return
