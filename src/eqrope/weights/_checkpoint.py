@@ -105,14 +105,15 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     return path
 
 
-def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
+def load(path: str | os.PathLike, *, layout: str = "unstacked") -> RotaryDecoder:
     """Read a checkpoint written by [`eqrope.save`][].
 
     **Arguments:**
 
     - `path`: the checkpoint directory.
-    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
-      layout generation decodes on; see [`eqrope.RotaryDecoder`][]).
+    - `layout`: `"unstacked"` (the default: one buffer per block, which `generate`
+      reads in place) or `"stacked"` (for a training loop that scans over blocks), as
+      for [`eqrope.from_hf`][]; the file holds the stacked layout either way.
 
     **Returns:** the [`eqrope.RotaryDecoder`][], bitwise equal to the one saved.
 

@@ -32,7 +32,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def from_hf(
-    path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None, layout: str = "stacked"
+    path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None, layout: str = "unstacked"
 ) -> RotaryDecoder:
     """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
 
@@ -57,9 +57,11 @@ def from_hf(
       [`eqrope.generate`][] and `init_cache` may allocate; `None` means the config's
       `max_position_embeddings`, which bounds it. [`eqrope.generate`][] sizes each call's
       cache to the call whatever it is.
-    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
-      layout generation decodes on, so a model held for inference is not sliced again
-      by every `generate` call; see [`eqrope.RotaryDecoder`][]).
+    - `layout`: `"unstacked"` (the default: one buffer per block, the layout
+      generation decodes on, read in place by every `generate` call) or `"stacked"`
+      (blocks on a leading axis, for a training loop that scans over them; a
+      `generate` call then slices a float32 model's blocks into a per-call copy). See
+      docs/kv_cache.md, "Which layout when".
 
     **Returns:** a decoder with `head_bias=False`, whose logits are those of the Hugging
     Face model. The query and key rows are permuted from rotate-half to interleaved pairing
