@@ -86,7 +86,7 @@ def test_a_merged_model_is_an_ordinary_checkpoint(tmp_path):
     back = eqrope.from_hf(tmp_path)
     for name in ("embed", "head"):
         assert bitwise_equal(getattr(back, name), getattr(merged, name))
-    assert bitwise_equal(back.stacked().blocks, merged.blocks)  # from_hf: unstacked
+    assert bitwise_equal(back.stacked().blocks, merged.blocks)  # from_hf's decoding layout
 
 
 def _task(seed=0, batch=8, seq=17):

@@ -52,7 +52,8 @@ def test_quick_run_is_consistent(data):
                      t["from_hf_unstacked"]["median_s"] / t["load_file"]["median_s"])  # fmt: skip
 
         g = c["generate"]
-        assert [g["default"]["layout"], g["stacked"]["layout"]] == ["unstacked", "stacked"]
+        low = c["config"]["dtype"] == "bfloat16"  # the decoding layout, on the CPU
+        assert [g["default"]["layout"], g["stacked"]["layout"]] == ["stacked" if low else "unstacked", "stacked"]
         for r in g.values():
             assert r["dtype"] == c["config"]["dtype"] and len(r["calls"]) == 3
             assert r["growth_nbytes"] == max(x["peak_after_nbytes"] - x["rss_before_nbytes"] for x in r["calls"])

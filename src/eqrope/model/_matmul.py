@@ -25,13 +25,13 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float
 
-_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def converted_in_step(w) -> bool:
     """Whether `matmul` converts `w` inside the step: a bfloat16 or float16 array, on
     the CPU."""
-    return isinstance(w, jax.Array) and w.dtype in _LOW and jax.default_backend() == "cpu"
+    return isinstance(w, jax.Array) and w.dtype in LOW_PRECISION and jax.default_backend() == "cpu"
 
 
 def matmul(
