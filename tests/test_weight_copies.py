@@ -1,7 +1,8 @@
 """A model as `from_hf` returns it generates without copying its weights in the call.
 
 Each dtype runs in a fresh Python process (bench/load.py's child, its `generate` section):
-it loads the checkpoint with `eqrope.from_hf` (the default layout), runs one `generate`
+it loads the checkpoint with `eqrope.from_hf` (the default: the decoding layout, unstacked
+for float32, stacked for bfloat16 on the CPU), runs one `generate`
 call, which compiles, then three more, each after lowering the peak resident set to the
 current one (`/proc/self/clear_refs`); the largest peak growth of those calls must stay
 under a tenth of the weights' bytes. A fresh process, so that nothing the test session
@@ -14,10 +15,11 @@ or one block's fused gate and up projection, in float32: about 4% of the weights
 
 The child waits 0.2 s before each reset: a call's scratch is freed after its results
 are ready, and a reset before that would hide the next call's growth. Measured on a
-2-core machine (load average 6-7): 0.002x (float32) and 0.008x (bfloat16). Before the
-default became the unstacked layout, a stacked float32 model's blocks were sliced into a
-per-call copy (0.39x the weights at this shape), and a bfloat16 head was converted to
-float32 whole (0.65x): both fail here.
+2-core machine (load average 4-7): 0.001-0.002x (float32) and 0.01-0.05x (bfloat16; a
+sixteenth of the head in float32 is 4% of the weights). Each test takes about 5 s. On
+main before this change, `from_hf` returned every model stacked: a float32 model's blocks
+were sliced into a per-call copy (0.39x the weights at this shape), and a bfloat16 head
+was converted to float32 whole (0.64x); both fail here.
 """
 
 import jax
@@ -46,14 +48,14 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_later_generate_call_holds_no_copy_of_the_weights(checkpoints, dtype):
     record = load_child({"memory": [], "time": None, "generate": [[str(checkpoints[dtype]), None]]})["generate"][0]
-    # The decoding layout: stacked for bfloat16 on the CPU (read in place too), else unstacked.
-    low_on_cpu = dtype == "bfloat16" and jax.default_backend() == "cpu"
-    assert record["layout"] == ("stacked" if low_on_cpu else "unstacked") and record["dtype"] == dtype
     assert record["ratio"] < LIMIT, (
         f"a later eqrope.generate call on a {dtype} model from from_hf raised the peak RSS by "
         f"{record['growth_nbytes'] / 2**20:.1f} MiB for {record['weights_nbytes'] / 2**20:.1f} MiB "
         f"of weights ({record['ratio']:.2f}x, limit {LIMIT}x; calls: {record['calls']})"
     )
+    # The decoding layout: stacked for bfloat16 on the CPU (read in place too), else unstacked.
+    low_on_cpu = dtype == "bfloat16" and jax.default_backend() == "cpu"
+    assert record["layout"] == ("stacked" if low_on_cpu else "unstacked") and record["dtype"] == dtype
 
 
 def test_the_default_layout_follows_the_dtype_and_an_explicit_one_is_kept(tmp_path):
