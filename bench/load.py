@@ -21,6 +21,15 @@ a checkpoint's in one):
    files, interleaved round by round (`_timing.time_calls`) after one untimed call of
    each: medians and min/max of the repeats. The ratio is of the medians.
 
+3. `generate`: what a `generate` call costs beyond the model, the model as the loaders
+   return it (`default`: the decoding layout, stacked for the bfloat16 SmolLM2 on the CPU,
+   unstacked for the float32 Qwen) and stacked. The child loads the checkpoint, runs one
+   `generate` call (it compiles), then `CALLS` more of the same, each with its peak RSS
+   reset first: `growth_nbytes` = the largest `VmHWM` after a call - `VmRSS` before it,
+   as a ratio of the weights' bytes. A stacked float32 model's blocks are sliced into a
+   copy inside every call; the default layout is read in place (docs/kv_cache.md). The
+   first call's wall time is recorded too (`first_call_s`, compile included).
+
 Writes `load.json` to `--out` (default `bench/results/latest/`, ignored by git) or, with
 `--save`, `bench/results/load_cpu.json`, with the machine (platform, CPUs, load averages
 at start and end) and versions (python, jax, equinox, numpy, safetensors), and prints a
@@ -47,6 +56,7 @@ import safetensors.numpy
 import eqrope
 from _long_cache import _reset_peak
 from _memory import _status_nbytes
+from _roofline import weight_nbytes
 from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
 
@@ -69,7 +79,8 @@ COMMON = dict(tie_embeddings=True, head_bias=False)
 QUICK = dict(vocab_size=512, n_blocks=2, d_ff=64, max_len=64)
 TINY = dict(vocab_size=64, n_blocks=1, d_ff=32, max_len=16)  # the children's warm-up
 MODES = {"default": dict(repeats=3, quick=False), "quick": dict(repeats=1, quick=True)}
-MEMORY_LIMIT, TIME_LIMIT = 1.3, 1.5
+MEMORY_LIMIT, TIME_LIMIT, CALL_LIMIT = 1.3, 1.5, 0.1
+CALLS, PROMPT, NEW = 3, 8, 4  # the generate section: calls after the compiling one, tokens
 METHOD = (
     "each figure from a fresh Python process. memory: a tiny checkpoint of the same kind "
     "loaded first, the peak RSS reset to the current RSS (/proc/self/clear_refs, peak_reset), "
@@ -77,7 +88,9 @@ METHOD = (
     "safetensors files' bytes. time: from_hf (dtype None, stacked and unstacked) and "
     "safetensors.numpy.load_file of the same files, one untimed call each, then the repeats "
     "interleaved round by round (nothing kept between calls); time_ratio = median from_hf / "
-    "median load_file"
+    "median load_file. generate: from_hf (the default layout, then stacked), one "
+    "generate call (compiles), then CALLS calls, each after a peak reset: growth_nbytes = "
+    "max(VmHWM after - VmRSS before), ratio = growth / the weights' bytes"
 )
 _LOADERS = {
     "from_hf": lambda path, layout: eqrope.from_hf(path, layout=layout),
@@ -146,15 +159,42 @@ def child_time(path: str, repeats: int) -> dict:
     return {k: without_result(v) for k, v in time_calls(calls, repeats=repeats, warmup=1).items()}
 
 
+def child_generate(path: str, layout: str | None) -> dict:
+    """The peak RSS growth of `generate` calls after the first (see the docstring, 3.),
+    the model from `from_hf(path)` (`layout=None`: the default)."""
+    model = eqrope.from_hf(path) if layout is None else eqrope.from_hf(path, layout=layout)
+    prompt = np.arange(PROMPT, dtype=np.int32) % model.vocab_size
+    start = time.perf_counter()
+    first = jax.block_until_ready(eqrope.generate(model, prompt, NEW))
+    first_call_s, calls = time.perf_counter() - start, []
+    for _ in range(CALLS):
+        time.sleep(0.2)  # the last call's scratch is freed after its results are ready
+        reset = _reset_peak()
+        before = _status_nbytes()
+        tokens = jax.block_until_ready(eqrope.generate(model, prompt, NEW))
+        after = _status_nbytes()
+        assert np.array_equal(tokens, first), "a later generate call gave other tokens"
+        calls.append({"rss_before_nbytes": before["VmRSS"], "peak_after_nbytes": after["VmHWM"],
+                      "rss_after_nbytes": after["VmRSS"], "peak_reset": reset,
+                      "growth_nbytes": after["VmHWM"] - before["VmRSS"]})  # fmt: skip
+    weights = weight_nbytes(model)
+    growth = max(c["growth_nbytes"] for c in calls)
+    return {"layout": model.layout, "dtype": model.config.dtype, "weights_nbytes": weights, "first_call_s": first_call_s,
+            "growth_nbytes": growth, "ratio": growth / weights, "calls": calls}  # fmt: skip
+
+
 def child(job: dict) -> dict:
     """A child's work: `job["memory"]`, a list of `[kind, layout, path, tiny]` cases, one
-    after the other; `job["time"]`, `[path, repeats]` or None."""
+    after the other; `job["time"]`, `[path, repeats]` or None; `job["generate"]`, a
+    list of `[path, layout or None]`."""
     return {"memory": [child_memory(*case) for case in job["memory"]],
-            "time": None if job["time"] is None else child_time(*job["time"])}  # fmt: skip
+            "time": None if job["time"] is None else child_time(*job["time"]),
+            "generate": [child_generate(*case) for case in job.get("generate", [])]}  # fmt: skip
 
 
-def _spawn(memory: list, time_job=None) -> dict:
-    job = json.dumps({"memory": [[k, l, str(p), str(t)] for k, l, p, t in memory], "time": time_job})
+def _spawn(memory: list, time_job=None, generate=()) -> dict:
+    job = json.dumps({"memory": [[k, l, str(p), str(t)] for k, l, p, t in memory], "time": time_job,
+                      "generate": [[str(p), layout] for p, layout in generate]})  # fmt: skip
     command = [sys.executable, str(pathlib.Path(__file__).resolve()), "child", job]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -186,12 +226,14 @@ def measure(name: str, cfg: dict, root: pathlib.Path) -> dict:
     time_job = [str(hf), cfg["repeats"]]
     log(f"  {name}: memory of {', '.join(keys)}; time, {cfg['repeats']} repeats "
         f"(load {os.getloadavg()[0]:.1f})")
+    layouts = {"default": None, "stacked": "stacked"}
     if cfg["quick"]:  # one process for everything: no figure to keep, only the code to run
-        done = _spawn(cases, time_job)
-        records, timing = done["memory"], done["time"]
+        done = _spawn(cases, time_job, [(hf, layout) for layout in layouts.values()])
+        records, timing, calls = done["memory"], done["time"], done["generate"]
     else:  # a fresh process for each load
         records = [_spawn([case])["memory"][0] for case in cases]
         timing = _spawn([], time_job)["time"]
+        calls = [_spawn([], None, [(hf, layout)])["generate"][0] for layout in layouts.values()]
     memory = {}
     for key, (_, _, path, _), record in zip(keys, cases, records):
         record["ratio"] = record["growth_nbytes"] / file_nbytes(path)
@@ -199,6 +241,7 @@ def measure(name: str, cfg: dict, root: pathlib.Path) -> dict:
     return {
         "config": {k: str(v) if k == "attention" else v for k, v in fields.items()},
         "params": params, "file_nbytes": nbytes, "memory": memory, "time": timing,
+        "generate": dict(zip(layouts, calls)),
         "time_ratio": timing["from_hf"]["median_s"] / timing["load_file"]["median_s"],
         "time_ratio_unstacked": timing["from_hf_unstacked"]["median_s"] / timing["load_file"]["median_s"],
         "loadavg_after": list(os.getloadavg()),
@@ -213,6 +256,10 @@ def targets(result: dict) -> list[dict]:
            for layout in ("stacked", "unstacked")]  # fmt: skip
     out.append(target("from_hf / load_file time (medians), Qwen2.5-0.5B f32", f"<= {TIME_LIMIT}",
                       qwen["time_ratio"], qwen["time_ratio"] <= TIME_LIMIT))
+    out += [target(f"generate call's peak RSS growth / weights, {name}, default layout",
+                   f"<= {CALL_LIMIT}", c["generate"]["default"]["ratio"],
+                   c["generate"]["default"]["ratio"] <= CALL_LIMIT)
+            for name, c in result["checkpoints"].items()]  # fmt: skip
     return out
 
 
@@ -230,6 +277,9 @@ def table(result: dict) -> str:
         lines += [timing_row(k, r, 22) for k, r in c["time"].items()]
         lines.append(f"  from_hf / load_file (medians): {c['time_ratio']:.2f} stacked, "
                      f"{c['time_ratio_unstacked']:.2f} unstacked")
+        lines += ["", f"  {'later generate call, peak RSS':<32}{'MiB':>9}{'x weights':>10}{'first s':>9}"]
+        lines += [f"  {k + ' (' + r['layout'] + ')':<32}{r['growth_nbytes'] / 2**20:>9.1f}{r['ratio']:>10.3f}"
+                  f"{r['first_call_s']:>9.2f}" for k, r in c["generate"].items()]  # fmt: skip
     lines += ["", "targets:"]
     lines += [f"  {x['name']:<62}{x['target']:>8}{fmt(x['measured']):>9}  {verdict(x['met'])}"
               for x in result["targets"]]  # fmt: skip

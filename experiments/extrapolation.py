@@ -116,7 +116,9 @@ def with_rope(model: eqrope.RotaryDecoder, method: str, factor: float, *, base: 
     options = rope_options(method, factor, base=base, head_dim=model.config.head_dim,
                            original_max_len=original_max_len, max_len=max_len)
     config = dataclasses.replace(model.config, max_len=max_len, **options)
-    shapes = eqx.filter_eval_shape(eqrope.RotaryDecoder.from_config, config, key=jax.random.PRNGKey(0))
+    shapes = eqx.filter_eval_shape(
+        lambda: eqrope.RotaryDecoder.from_config(config, key=jax.random.PRNGKey(0)).with_layout(model.layout)
+    )
     leaves = jax.tree.leaves(model)
     expected = [(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
     if [(a.shape, a.dtype) for a in leaves] != expected:
@@ -405,7 +407,8 @@ def main(argv=None) -> dict:
         "loaded": args.load,
     }
     if "reversal" in args.arms or "finetune" in args.arms:
-        sources = {s: eqrope.load(args.source / f"rotary_seed{s}") for s in args.seeds}
+        # Stacked: the fine-tuning arm trains them (a scan over blocks, as they were trained).
+        sources = {s: eqrope.load(args.source / f"rotary_seed{s}", layout="stacked") for s in args.seeds}
         if "reversal" not in args.arms:
             args.methods = []
         run_reversal(args, sources, results, models, seconds)

@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         runs = {}
         for seed in args.seeds:
-            source = eqrope.load(args.source / f"rotary_seed{seed}")
+            source = eqrope.load(args.source / f"rotary_seed{seed}", layout="stacked")  # trained below
             strings = extrapolation.test_strings(seed, args.lengths, args.n_per_length)
             run = {"before": {"counts": exact(source, strings)}}
             for arm, train in (("grpo", run_grpo), ("sft", run_sft)):

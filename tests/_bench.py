@@ -35,3 +35,14 @@ def smoke_run(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / result).read_text()), proc.stdout
+
+
+def load_child(job: dict, timeout: float = 300) -> dict:
+    """Run bench/load.py's child on `job` (its `memory`, `time` and `generate` cases) in
+    a fresh Python process, as the benchmark does; return its JSON record."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "load.py"), "child", json.dumps(job)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

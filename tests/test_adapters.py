@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import safetensors
+import safetensors.numpy
 
 import eqrope
 from _adapters import ALL, adapted, base, bitwise_equal, call, ids, perturbed
@@ -30,8 +32,14 @@ def test_new_adapter_leaves_logits_bitwise_equal():
         assert fresh.layout == layout and isinstance(fresh, eqrope.RotaryDecoder)
         x = ids(12)
         assert np.asarray(call(fresh, x)).tobytes() == np.asarray(call(m, x)).tobytes()
-        if layout == "stacked":  # the base arrays are the model's own, not copies
+        # The base arrays are the model's own, not copies, in either layout (from_hf's
+        # unstacked model is adapted where it lies), and the draws are the same.
+        if layout == "stacked":
             assert fresh.blocks.attn.wqkv.weight is m.blocks.attn.wqkv
+            stacked = fresh
+        else:
+            assert all(f.attn.wqkv.weight is b.attn.wqkv for f, b in zip(fresh.blocks, m.blocks))
+            assert bitwise_equal(fresh, stacked.unstacked())
 
 
 def test_an_adapter_on_q_changes_only_q_columns():
@@ -78,7 +86,7 @@ def test_a_merged_model_is_an_ordinary_checkpoint(tmp_path):
     back = eqrope.from_hf(tmp_path)
     for name in ("embed", "head"):
         assert bitwise_equal(getattr(back, name), getattr(merged, name))
-    assert bitwise_equal(back.blocks, merged.blocks)
+    assert bitwise_equal(back.stacked().blocks, merged.blocks)  # from_hf's decoding layout
 
 
 def _task(seed=0, batch=8, seq=17):
@@ -190,9 +198,19 @@ def test_adapters_on_disk_round_trip_small_and_bound(tmp_path):
     size = os.path.getsize(path / "adapter.safetensors")
     assert size < 0.2 * sum(a.nbytes for a in jax.tree.leaves(eqrope.base_model(model)))
     for layout in ("stacked", "unstacked"):
-        back = eqrope.load_adapter(base().with_layout(layout), path)
+        plain = base().with_layout(layout)
+        back = eqrope.load_adapter(plain, path)
         assert back.layout == layout
         assert bitwise_equal(back.stacked(), model)
+        # on the base's own arrays (an unstacked base is not stacked and copied)
+        wqkv = lambda m: [b.attn.wqkv for b in (m.blocks if layout == "unstacked" else (m.blocks,))]  # noqa: E731
+        assert all(w.weight is p for w, p in zip(wqkv(back), wqkv(plain), strict=True))
+    # An unstacked model's adapters are written as the stacked one's, bit for bit.
+    again = eqrope.save_adapter(tmp_path / "again", model.unstacked())
+    files = [str(p / "adapter.safetensors") for p in (path, again)]
+    first, second = (safetensors.numpy.load_file(f) for f in files)
+    assert first.keys() == second.keys() and all(bitwise_equal(first[k], second[k]) for k in first)
+    assert len({json.dumps(safetensors.safe_open(f, "numpy").metadata(), sort_keys=True) for f in files}) == 1
     # Saved for another base: refused, naming the field.
     other = base(n_kv_heads=4)
     with pytest.raises(ValueError, match=r"saved for another base model(.|\n)*n_kv_heads: 2 \(saved\) vs 4"):

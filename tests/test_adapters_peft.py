@@ -97,7 +97,8 @@ def test_peft_adapter_loads_in_eqrope(tmp_path, hf_lib, peft, family, record_pro
                 p.copy_(torch.randn_like(p) * 0.3)
     theirs.save_pretrained(tmp_path / "adapter")
     ours = eqrope.from_peft(base, tmp_path / "adapter")
-    assert ours.blocks.attn.wqkv.parts[2] is None and ours.blocks.mlp.w_gate_up.parts[0] is None
+    held = ours.stacked()  # from_hf's decoding layout, stacked for the check
+    assert held.blocks.attn.wqkv.parts[2] is None and held.blocks.mlp.w_gate_up.parts[0] is None
     _compare(hf_lib, ours, theirs.eval(), record_property, f"{family} peft->eqrope")
 
 

@@ -1,4 +1,5 @@
-"""bench/load.py in its quick mode: every case present, every figure consistent.
+"""bench/load.py in its quick mode: every case present (loads, times, generate calls),
+every figure consistent.
 
 Neither memory nor time is asserted (the shapes are tiny); the ratios are checked against
 the raw figures they come from, and the targets' flags against the ratios.
@@ -50,7 +51,16 @@ def test_quick_run_is_consistent(data):
         assert close(c["time_ratio_unstacked"],
                      t["from_hf_unstacked"]["median_s"] / t["load_file"]["median_s"])  # fmt: skip
 
+        g = c["generate"]
+        low = c["config"]["dtype"] == "bfloat16"  # the decoding layout, on the CPU
+        assert [g["default"]["layout"], g["stacked"]["layout"]] == ["stacked" if low else "unstacked", "stacked"]
+        for r in g.values():
+            assert r["dtype"] == c["config"]["dtype"] and len(r["calls"]) == 3
+            assert r["growth_nbytes"] == max(x["peak_after_nbytes"] - x["rss_before_nbytes"] for x in r["calls"])
+            assert close(r["ratio"], r["growth_nbytes"] / r["weights_nbytes"])
+
     stacked, unstacked = (smol["memory"][f"from_hf_{x}"]["ratio"] for x in ("stacked", "unstacked"))
-    assert [x["measured"] for x in data["targets"]] == [stacked, unstacked, qwen["time_ratio"]]
-    assert [x["met"] for x in data["targets"]] == [stacked <= 1.3, unstacked <= 1.3,
-                                                   qwen["time_ratio"] <= 1.5]  # fmt: skip
+    calls = [c["generate"]["default"]["ratio"] for c in (smol, qwen)]
+    assert [x["measured"] for x in data["targets"]] == [stacked, unstacked, qwen["time_ratio"], *calls]
+    assert [x["met"] for x in data["targets"]] == [stacked <= 1.3, unstacked <= 1.3, qwen["time_ratio"] <= 1.5,
+                                                   *(r <= 0.1 for r in calls)]  # fmt: skip

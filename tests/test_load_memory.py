@@ -15,12 +15,8 @@ layout; the loader this replaced read every tensor, then
 converted, fused and stacked copies of them and handed JAX another copy: 3.5x and 4.3x
 (`from_hf`, stacked and unstacked), 2.4x and 3.0x (`load`)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-from _bench import BENCH
+from _bench import load_child
 from _models import random_model
 
 import eqrope
@@ -52,13 +48,7 @@ def test_loading_holds_the_checkpoint_about_once(checkpoints, kind, layout):
     path, tiny = checkpoints[kind]
     file_nbytes = (path / "model.safetensors").stat().st_size
     # bench/load.py's child: a fresh process, the tiny checkpoint loaded first, the peak reset.
-    job = {"memory": [[kind, layout, str(path), str(tiny)]], "time": None}
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "load.py"), "child", json.dumps(job)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    record = json.loads(proc.stdout.strip().splitlines()[-1])["memory"][0]
+    record = load_child({"memory": [[kind, layout, str(path), str(tiny)]], "time": None}, timeout=120)["memory"][0]
     assert record["layout"] == layout
     ratio = record["growth_nbytes"] / file_nbytes
     assert ratio <= LIMIT, (

@@ -102,7 +102,7 @@ def test_with_rope_keeps_the_trained_arrays(extrapolation, chapter_model):
     ntk = _rope(extrapolation, chapter_model, "ntk", 2.0, max_len=33)
     assert ntk.config.rope_base == pytest.approx(10000.0 * 2.0 ** (16 / 14), rel=1e-12)
     # The rope is read from the attention modules' own static fields, not only the config.
-    assert ntk.blocks.attn.rope_base == ntk.config.rope_base
+    assert ntk.stacked().blocks.attn.rope_base == ntk.config.rope_base  # load: the decoding layout
 
 
 def test_with_rope_refuses_a_learned_table(extrapolation):

@@ -32,7 +32,7 @@ from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder
 from ..weights._checkpoint import _config_digest, _digest, _write_directory, check_writable
 from ._lora import check_adapted, check_base, lora
-from ._targets import get_path
+from ._targets import places
 from ._weight import lora_weights
 
 
@@ -81,31 +81,37 @@ def adapter_arrays(model: RotaryDecoder) -> dict:
     """Each adapter array of `model` by name, `"{path}.{target}.a"` and `.b`, with the
     blocks stacked: `a (blocks, d_in, rank)`, `b (blocks, rank, d_part)`."""
     out = {}
-    for w in lora_weights(model.stacked()):
+    for w in lora_weights(model):  # an unstacked model's: block by block, in order
         for name, p in zip(w.names, w.parts):
             if p is not None:
-                out[f"{w.path}.{name}.a"], out[f"{w.path}.{name}.b"] = p.a, p.b
-    return out
+                out.setdefault(f"{w.path}.{name}.a", []).append(p.a)
+                out.setdefault(f"{w.path}.{name}.b", []).append(p.b)
+    stack = model.layout == "unstacked"  # only the adapters' arrays, not the base's
+    return {k: jnp.stack(v) if stack else v[0] for k, v in out.items()}
 
 
 def with_adapter_arrays(model: RotaryDecoder, settings: dict, arrays: dict) -> RotaryDecoder:
     """`model` (a base) adapted with `settings` and the given `arrays` (checked already
     against `expected_arrays`), in `model`'s layout."""
-    adapted = lora(model.stacked(), **settings, key=jax.random.PRNGKey(0))
-    for w in lora_weights(adapted):
-        for j, (name, p) in enumerate(zip(w.names, w.parts)):
-            if p is None:
-                continue
-            a, b = (jnp.asarray(arrays[f"{w.path}.{name}.{x}"]) for x in "ab")
-            where = lambda m, path=w.path, j=j: (get_path(m, path).parts[j].a, get_path(m, path).parts[j].b)  # noqa: E731
-            adapted = eqx.tree_at(where, adapted, (a, b))
-    return adapted.with_layout(model.layout)
+    adapted = lora(model, **settings, key=jax.random.PRNGKey(0))  # the base's own arrays
+    for path in dict.fromkeys(w.path for w in lora_weights(adapted)):
+        for where, block in places(adapted, path):  # the stack, or each block's own
+            w = where(adapted)
+            take = (lambda x: x) if block is None else (lambda x, i=block: x[i])
+            parts = tuple(
+                None if p is None else eqx.tree_at(
+                    lambda p: (p.a, p.b), p, tuple(take(jnp.asarray(arrays[f"{path}.{name}.{x}"])) for x in "ab")
+                )
+                for name, p in zip(w.names, w.parts)
+            )  # fmt: skip
+            adapted = eqx.tree_at(where, adapted, eqx.tree_at(lambda w: w.parts, w, parts))
+    return adapted
 
 
 def expected_arrays(model: RotaryDecoder, settings: dict) -> dict:
     """The shape and dtype of each adapter array `with_adapter_arrays` takes."""
     skeleton = eqx.filter_eval_shape(
-        lambda m: lora(m, **settings, key=jax.random.PRNGKey(0)), model.stacked()
+        lambda m: lora(m.stacked(), **settings, key=jax.random.PRNGKey(0)), model
     )
     return adapter_arrays(skeleton)
 

@@ -12,7 +12,7 @@ from .._custom_types import IntLike, RealLike
 from ..model._decoder import RotaryDecoder
 from ..model._init import uniform_weight
 from ..weights._table import BY_PATH
-from ._targets import TARGETS, check_targets, get_path, part_widths
+from ._targets import TARGETS, check_targets, part_widths, places
 from ._weight import LoraWeight, LowRank, is_lora, lora_weights
 
 
@@ -69,7 +69,9 @@ def lora(
 
     **Returns:** a `RotaryDecoder` whose targeted weight arrays are
     [`eqrope.LoraWeight`][]s; its logits are bitwise those of `model` until `B` changes.
-    The base arrays are `model`'s own (not copied).
+    The base arrays are `model`'s own (not copied), in either layout: an unstacked
+    model (as `from_hf` and `load` return it) gets one adapter per block, sliced from
+    the same draws as a stacked model's.
 
     Raises `TypeError` / `ValueError` naming the argument: an unknown or missing target,
     `rank < 1`, `alpha <= 0`, `dropout` outside `[0, 1)`, a bool or a string where a
@@ -89,14 +91,13 @@ def lora(
     config = model.config
     targets = check_targets(targets, config)
     keys = dict(zip(targets, jax.random.split(key, len(targets))))
-    layout, stacked = model.layout, model.stacked()
     dtype, n_blocks = config.jnp_dtype, config.n_blocks
     for path in dict.fromkeys(TARGETS[t].weight.path for t in targets):
         weight = BY_PATH[path]
-        base = get_path(stacked, path)
-        d_in, widths = base.shape[1], part_widths(weight, config)
+        spots = places(model, path)  # the whole stack, or each block's own array
+        d_in, widths = spots[0][0](model).shape[-2], part_widths(weight, config)
         names = tuple(t.name for t in TARGETS.values() if t.weight.path == path)
-        parts = tuple(
+        drawn = tuple(
             LowRank(
                 uniform_weight(keys[n], d_in, (n_blocks, d_in, rank), dtype),
                 jnp.zeros((n_blocks, rank, w), dtype),
@@ -104,9 +105,11 @@ def lora(
             ) if n in targets else None
             for n, w in zip(names, widths)
         )  # fmt: skip
-        adapted = LoraWeight(base, parts, None, None, widths=widths, names=names, path=path)
-        stacked = eqx.tree_at(lambda m: get_path(m, path), stacked, adapted)
-    return stacked.with_layout(layout)
+        for where, block in spots:  # the same draws in either layout; the base is not copied
+            parts = drawn if block is None else tuple(None if p is None else jax.tree.map(lambda x: x[block], p) for p in drawn)
+            adapted = LoraWeight(where(model), parts, None, None, widths=widths, names=names, path=path)
+            model = eqx.tree_at(where, model, adapted)
+    return model
 
 
 def _replace_lora(model, fn):

@@ -6,6 +6,7 @@ The targets are named after PEFT's `target_modules` without `_proj` (`q`, `k`, `
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 from ..model._config import DecoderConfig
 from ..weights._table import WEIGHTS, Weight, _sizes
@@ -93,6 +94,16 @@ def part_widths(weight: Weight, config: DecoderConfig) -> tuple[int, ...]:
 def get_path(model, path: str):
     """The field at a dotted table path (`"blocks.attn.wqkv"`) of a stacked model."""
     return functools.reduce(getattr, path.split("."), model)
+
+
+def places(model, path: str) -> list[tuple[Callable, int | None]]:
+    """Where the arrays of the table path `path` lie in `model`, as `(where, block)`
+    pairs for `eqx.tree_at`: one for a stacked model (`block` None: every block's, on a
+    leading axis), one per block for an unstacked one (each block's own array)."""
+    if model.layout == "stacked" or not path.startswith("blocks."):
+        return [(lambda m: get_path(m, path), None)]
+    rest = path.removeprefix("blocks.")
+    return [(lambda m, i=i: get_path(m.blocks[i], rest), i) for i in range(len(model.blocks))]
 
 
 # -- the modules ----------------------------------------------------------------------------

@@ -37,13 +37,13 @@ def for_decoding(model, cache=None):
     blocks, so the program's compile time stays flat in depth there. The decode loop
     then runs on per-block weights and buffers: a stacked model's blocks are sliced once
     per call, before the loop, instead of XLA copying each block's slice before every
-    matrix product of every step; a model held unstacked
-    (`from_hf(..., layout="unstacked")`) costs nothing here.
+    matrix product of every step, a copy of the blocks inside every call; a model held
+    unstacked (a float32 one as `from_hf` and `load` return it) costs nothing here.
 
-    A stacked low-precision model on the CPU stays stacked: its steps convert each
-    block's weights to float32 inside the step anyway (`eqrope.model._matmul`), so the
-    slice costs nothing more there, and the per-block copies would add most of the
-    weights' bytes to the program's peak memory.
+    A stacked low-precision model on the CPU (as `from_hf` and `load` return it) stays
+    stacked: its steps convert each weight to float32 inside the step anyway
+    (`eqrope.model._matmul`), so the slice costs nothing more there, and the per-block
+    copies would add most of the weights' bytes to the program's peak memory.
     """
     unstacked = getattr(type(model), "unstacked", None)
     if unstacked is None or any(map(converted_in_step, jax.tree.leaves(model))):

@@ -15,7 +15,7 @@ from .._custom_types import IntLike
 from ._config import SIZES, DecoderConfig
 from ._init import uniform_weight
 from ._layouts import check_layout, decode_in_place, scan_blocks, unroll_blocks
-from ._matmul import converted_in_step, matmul, matmul_rows
+from ._matmul import converted_in_step, matmul_vocab
 from ._norm import make_norm, norm_rows
 
 
@@ -222,9 +222,9 @@ class RotaryDecoder(eqx.Module):
         if self.head is None:
             # Contract with the embedding's rows as they lie: `x @ embed.T` would make XLA
             # copy the transposed (vocab, d_model) table, on every step or held in memory.
-            logits = matmul_rows(x, self.embed)
+            logits = matmul_vocab(x, self.embed, rows=True)
         else:
-            logits = matmul(x, self.head)
+            logits = matmul_vocab(x, self.head, rows=False)
         if self.head_bias is not None:
             logits = logits + self.head_bias
         return logits

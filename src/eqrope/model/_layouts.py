@@ -9,10 +9,24 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from ._matmul import converted_in_step
+from ._matmul import LOW_PRECISION, converted_in_step
 
 
 LAYOUTS = ("stacked", "unstacked")
+
+
+def decoding_layout(dtype, backend: str | None = None) -> str:
+    """The layout `from_hf` and `load` give a model of `dtype` by default: the one its
+    `generate` calls read in place and compile fastest.
+
+    `"unstacked"`, except a bfloat16 or float16 model on the CPU (`backend`, default
+    JAX's), which is `"stacked"`: its steps convert each weight to float32 inside the
+    step in either layout, so a stacked model is read in place too, and its prefill is
+    then a scan over blocks, which compiles in about half the time at SmolLM2's 30
+    blocks. See docs/kv_cache.md, "Which layout when".
+    """
+    backend = jax.default_backend() if backend is None else backend
+    return "stacked" if jnp.dtype(dtype) in LOW_PRECISION and backend == "cpu" else "unstacked"
 
 
 def check_layout(layout, name: str) -> str:

@@ -25,13 +25,13 @@ import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, Float
 
-_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def converted_in_step(w) -> bool:
     """Whether `matmul` converts `w` inside the step: a bfloat16 or float16 array, on
     the CPU."""
-    return isinstance(w, jax.Array) and w.dtype in _LOW and jax.default_backend() == "cpu"
+    return isinstance(w, jax.Array) and w.dtype in LOW_PRECISION and jax.default_backend() == "cpu"
 
 
 def matmul(
@@ -55,6 +55,38 @@ def matmul_rows(x: Float[Array, "seq d_in"], w: Float[Array, "d_out d_in"]) -> F
     return out.astype(jnp.result_type(x.dtype, w.dtype))
 
 
+HEAD_CHUNKS = 16  # a low-precision head on the CPU is converted in this many parts
+
+
+def matmul_vocab(x: Float[Array, "seq d_in"], w: Float[Array, "..."], *, rows: bool) -> Float[Array, "seq vocab"]:
+    """The head's product: `matmul(x, w)` for a `(d_model, vocab)` head, or
+    `matmul_rows(x, w)` for a `(vocab, d_model)` table (`rows=True`, a tied embedding).
+
+    The vocabulary is the widest axis of a model, and its float32 copy, made at once,
+    would be the largest buffer of a decode step (a third of a bfloat16 SmolLM2's
+    weights). A low-precision table on the CPU is therefore converted in
+    `HEAD_CHUNKS` parts, each part after the previous part's product, so that one
+    part's float32 copy is alive at a time; each column is computed as in one product.
+    Anything else takes the one product, unchanged.
+    """
+    product = matmul_rows if rows else matmul
+    axis = 0 if rows else 1
+    n = w.shape[axis]
+    if not converted_in_step(w) or n < 2 * HEAD_CHUNKS:
+        return product(x, w)
+    dims = (((1,), (1 if rows else 0,)), ((), ()))
+    edges = [n * i // HEAD_CHUNKS for i in range(HEAD_CHUNKS + 1)]
+    outs, after = [], x
+    for start, stop in zip(edges[:-1], edges[1:]):
+        # The slice is taken behind the tie as well: ahead of the loop it would be a
+        # low-precision copy of the table, held by the program.
+        _, tied = jax.lax.optimization_barrier((after, w))
+        part = in_step(after, jax.lax.slice_in_dim(tied, start, stop, axis=axis))
+        after = jax.lax.dot_general(x.astype(jnp.float32), part, dims)
+        outs.append(after)
+    return jnp.concatenate(outs, axis=-1).astype(jnp.result_type(x.dtype, w.dtype))
+
+
 @jax.custom_jvp
 def in_step(x: Float[Array, "*x"], w: Float[Array, "*w"]) -> Float[Array, "*w"]:
     """`w` in float32, converted after `x` exists, inside any loop that computes `x`.
@@ -63,8 +95,11 @@ def in_step(x: Float[Array, "*x"], w: Float[Array, "*w"]) -> Float[Array, "*w"]:
     that holds `w` with `x` keeps the conversion inside the loop (loop-invariant code
     motion does not see through it; the barrier is gone by the time the program is
     scheduled), and a select on a value of `x` that is always true, including for a
-    NaN (`not (v > inf)`), orders it after `x`. The select is made on the float32 side,
-    fused with the conversion: one pass that reads `w` and writes its float32 copy.
+    NaN (`not (v > inf)`), orders it after `x`. The select reads `x` as it leaves the
+    barrier: with that output unused, XLA dropped `x` from the barrier and hoisted the
+    conversion of an unstacked block's `wo` out of the decode loop. The select is made
+    on the float32 side, fused with the conversion: one pass that reads `w` and writes
+    its float32 copy.
 
     Under `jax.vmap` over `x` alone the predicate comes from the first row, so `w` is
     not batched (`_in_step_vmap`). The derivative is that of `w.astype(float32)`; `x`
@@ -96,6 +131,6 @@ def _in_step_vmap(axis_size, in_batched, x, w):
 
 
 def _convert_after(x, w):
+    x, w = jax.lax.optimization_barrier((x, w))
     keep = ~(x.reshape(-1)[0].astype(jnp.float32) > jnp.inf)
-    _, w = jax.lax.optimization_barrier((x, w))
     return jnp.where(keep, w.astype(jnp.float32), jnp.float32(0))

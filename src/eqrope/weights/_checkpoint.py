@@ -32,6 +32,7 @@ import safetensors.numpy
 from .._checks import check_path
 from ..model._config import DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
+from ..model._layouts import decoding_layout
 from ._files import _write_directory, check_writable, swapped_arguments
 from .._json import peek_json, read_json
 from ._stream import Reader, Tensor, empty, read_header, to_device
@@ -105,14 +106,16 @@ def save(path: str | os.PathLike, model: RotaryDecoder) -> Path:
     return path
 
 
-def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
+def load(path: str | os.PathLike, *, layout: str | None = None) -> RotaryDecoder:
     """Read a checkpoint written by [`eqrope.save`][].
 
     **Arguments:**
 
     - `path`: the checkpoint directory.
-    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
-      layout generation decodes on; see [`eqrope.RotaryDecoder`][]).
+    - `layout`: `"unstacked"` (one buffer per block, which `generate` reads in
+      place), `"stacked"` (for a training loop that scans over blocks), or `None` (the
+      default: the decoding layout of the model's dtype), as for [`eqrope.from_hf`][];
+      the file holds the stacked layout either way.
 
     **Returns:** the [`eqrope.RotaryDecoder`][], bitwise equal to the one saved.
 
@@ -121,7 +124,8 @@ def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
     invalid config, or a config that does not match the arrays (a missing, extra,
     reshaped or retyped array, or arrays saved with another config).
     """
-    check_layout(layout, "load: layout")
+    if layout is not None:
+        check_layout(layout, "load: layout")
     path = check_path(path, "eqrope.load: path")
     if not path.is_dir():
         hint = (
@@ -132,6 +136,7 @@ def load(path: str | os.PathLike, *, layout: str = "stacked") -> RotaryDecoder:
         raise FileNotFoundError(f"eqrope.load: no checkpoint directory at {path}.{hint}")
     config_file, arrays_file = path / CONFIG_FILE, path / ARRAYS_FILE
     config, version, digest = _read_config(config_file)
+    layout = decoding_layout(config.dtype) if layout is None else layout
     stored, metadata = _read_header(arrays_file)
     bound = metadata.get(_CONFIG_HASH)
     problems = compare_to_skeleton(stored, skeleton(config))

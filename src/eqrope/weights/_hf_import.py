@@ -19,6 +19,7 @@ from .._checks import check_int, check_path, not_local
 from .._custom_types import IntLike
 from ..model._config import _DTYPES, DecoderConfig
 from ..model._decoder import RotaryDecoder, check_layout
+from ..model._layouts import decoding_layout
 from ._hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from ._hf_config import ARCHITECTURES, decoder_config
 from .._json import read_json
@@ -32,7 +33,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def from_hf(
-    path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None, layout: str = "stacked"
+    path: str | os.PathLike, *, dtype=None, max_len: IntLike | None = None, layout: str | None = None
 ) -> RotaryDecoder:
     """Load a Hugging Face checkpoint directory as a [`eqrope.RotaryDecoder`][].
 
@@ -57,9 +58,13 @@ def from_hf(
       [`eqrope.generate`][] and `init_cache` may allocate; `None` means the config's
       `max_position_embeddings`, which bounds it. [`eqrope.generate`][] sizes each call's
       cache to the call whatever it is.
-    - `layout`: `"stacked"` (for training) or `"unstacked"` (one buffer per block, the
-      layout generation decodes on, so a model held for inference is not sliced again
-      by every `generate` call; see [`eqrope.RotaryDecoder`][]).
+    - `layout`: `"unstacked"` (one buffer per block, which every `generate` call reads
+      in place), `"stacked"` (blocks on a leading axis, for a training loop that scans
+      over them; a `generate` call then slices a float32 model's blocks into a
+      per-call copy), or `None` (the default): the decoding layout of the model's
+      dtype, unstacked, or stacked for bfloat16 and float16 on the CPU, which are read
+      in place either way and compile faster stacked. See docs/kv_cache.md, "Which
+      layout when".
 
     **Returns:** a decoder with `head_bias=False`, whose logits are those of the Hugging
     Face model. The query and key rows are permuted from rotate-half to interleaved pairing
@@ -97,7 +102,8 @@ def from_hf(
         )
     hf = read_json(config_file, "from_hf")
     max_len = check_int(max_len, "max_len", minimum=1, none=True)
-    check_layout(layout, "from_hf: layout")
+    if layout is not None:
+        check_layout(layout, "from_hf: layout")
     dtype_name = _model_dtype(
         dtype, f"from_hf: dtype={dtype!r}", "Pass dtype= one of them (a name or a NumPy/JAX "
         "dtype), or None for the checkpoint's."
@@ -123,6 +129,7 @@ def from_hf(
                 "Pass dtype= one of them to convert, e.g. dtype='float32'.",
             )
             config = dataclasses.replace(config, dtype=dtype_name)
+        layout = decoding_layout(config.dtype) if layout is None else layout
 
         def copy(name, out, **how):
             reader.copy(tensors[name], out, **how)
