@@ -13,7 +13,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import jsonschema
 import numpy as np
 import pytest
 
@@ -27,6 +26,7 @@ from eqrope.serving._constraints import ConstraintBlocks
 from test_stop_strings import checkpoint, model, tok  # noqa: F401 (the checkpoint of tests/_serve.py)
 
 pytest.importorskip("outlines_core")  # the [structured] extra
+jsonschema = pytest.importorskip("jsonschema")  # [structured]: the independent validator
 
 NEW = 40
 ENGINE = {"slots": 4, "decode_buckets": (4,), "max_len": 128, "page_size": 16, "prefill_chunk": 32, "decode_steps": 8}
