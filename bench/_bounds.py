@@ -25,9 +25,11 @@ from _timing import log, time_calls, without_result
 def weight_matrices(model) -> list:
     """The matrices one decode step multiplies by: each block's `wqkv`, `wo`, `w_gate_up`,
     `w_down`, and the head (the embedding is a gather, the norms are vectors)."""
+    head = model.embed.T if model.head is None else model.head
+    if isinstance(model.blocks, (tuple, list)):  # the unstacked layout (from_hf's float32 default)
+        return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)] + [head]
     blocks = model.blocks
     stacked = [blocks.attn.wqkv, blocks.attn.wo, blocks.mlp.w_gate_up, blocks.mlp.w_down]
-    head = model.embed.T if model.head is None else model.head
     return [w[b] for w in stacked for b in range(w.shape[0])] + [head]
 
 

@@ -4,6 +4,7 @@ size (marked `experiment`: they train small models in a subprocess)."""
 import importlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,13 +146,20 @@ def test_markov_language_is_stationary_and_its_floor_is_its_entropy(scripts):
 # -- the scripts at reduced size -----------------------------------------------------------
 
 
-def run_script(name: str, *args: str) -> str:
+def run_script(name: str, *args: str, optimized: bool = False) -> str:
+    """Run an experiment script; `optimized=True` drops conftest's cheapest XLA code
+    generation for a script whose training steps, not its compiles, take the time."""
+    env = dict(os.environ)
+    if optimized:
+        flags = env.get("XLA_FLAGS", "").split()
+        env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith("--xla_backend_optimization_level"))
     result = subprocess.run(
         [sys.executable, str(EXPERIMENTS / name), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
     assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
@@ -180,7 +188,7 @@ def test_reversal_script_learns_and_reloads(tmp_path):
     common = ["--name", "ci", "--seeds", "0", "--n-test", "40", "--cache-prompts", "40",
               "--large-sample", "40", "--out", str(out), "--checkpoints", str(checkpoints)]
     # The full run uses lr 1e-3 over 1,500 steps; a 300-step run learns faster with 3e-3.
-    run_script("reversal.py", "--steps", "300", "--lr", "3e-3", *common)
+    run_script("reversal.py", "--steps", "300", "--lr", "3e-3", *common, optimized=True)
     result = json.loads((out / "reversal_ci.json").read_text())
     assert set(result["runs"]) == {"rotary", "learned"}
     assert (out / "reversal_ci.png").stat().st_size > 10_000
