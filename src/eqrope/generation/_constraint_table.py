@@ -25,7 +25,7 @@ from ._automaton import Automaton
 from ._constraint import FREE, Constraint, ConstraintTable
 
 MIN_CAPACITY = (64, 1024)  # (states, exceptions)
-_SPARE_TOKEN = np.iinfo(np.int32).max
+SPARE_TOKEN = np.iinfo(np.int32).max
 _KEPT = 8  # merged tables kept on the device, by the automata they hold
 _TABLES: dict[tuple, tuple[list, ConstraintTable, list[int]]] = {}
 
@@ -90,7 +90,7 @@ def check_automaton(automaton, name: str, vocab: int | None) -> None:
             raise ValueError(f"{name}: {what}; rebuild it (eqrope.structured compiles consistent ones).")
 
 
-def _think_chain(think: tuple[int, ...], base: int, target: int):
+def think_chain(think: tuple[int, ...], base: int, target: int):
     """The THINK states `base .. base + m - 1` before the state `target` (see the module's
     docstring): `(default_next, exceptions per state as [(token, next)])`."""
     m = len(think)
@@ -129,7 +129,7 @@ def merge(
     starts = list(offsets)
     if think:
         for i, target in enumerate(offsets):
-            chain_default, chain = _think_chain(think, offset, target)
+            chain_default, chain = think_chain(think, offset, target)
             starts[i] = offset
             allowed.append(np.full((len(think), words), 0xFFFFFFFF, np.uint32))
             default.append(chain_default)
@@ -154,7 +154,7 @@ def merge(
         allowed=np.zeros((n_states, words), np.uint32),
         default_next=np.zeros((n_states,), np.int32),
         exc_start=np.full((n_states + 1,), exceptions, np.int32),
-        exc_token=np.full((n_exc,), _SPARE_TOKEN, np.int32),
+        exc_token=np.full((n_exc,), SPARE_TOKEN, np.int32),
         exc_next=np.zeros((n_exc,), np.int32),
         accepting=np.zeros((n_states,), np.bool_),
     )
@@ -187,9 +187,9 @@ def constraint_of(
         names = [f"constraint[{i}]" for i in range(batch)]
     else:
         rows, names = [constraint] * batch, ["constraint"] * batch
-    think = _check_think(think_end, vocab)
+    think = check_think(think_end, vocab)
     if constraint_capacity is not None:
-        constraint_capacity = _check_capacity(constraint_capacity)
+        constraint_capacity = check_capacity(constraint_capacity)
     if all(a is None for a in rows):
         if think is not None or constraint_capacity is not None:
             given = "think_end" if think is not None else "constraint_capacity"
@@ -228,7 +228,7 @@ def _kept_table(named: list[tuple[Automaton, str]], think, vocab, capacity):
     return table, starts
 
 
-def _check_think(think_end, vocab) -> tuple[int, ...] | None:
+def check_think(think_end, vocab) -> tuple[int, ...] | None:
     if think_end is None:
         return None
     if isinstance(think_end, (str, bytes)) or not isinstance(think_end, (list, tuple, np.ndarray)):
@@ -249,7 +249,7 @@ def _check_think(think_end, vocab) -> tuple[int, ...] | None:
     return ids
 
 
-def _check_capacity(capacity) -> tuple[int, int]:
+def check_capacity(capacity) -> tuple[int, int]:
     if not isinstance(capacity, (list, tuple)) or len(capacity) != 2:
         raise TypeError(
             f"constraint_capacity must be (states, exceptions), two ints, or None, got {capacity!r}."

@@ -30,7 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ..generation._automaton import Automaton
 from ..generation._constraint import FREE, ConstraintTable, advance, constrain_logits
-from ..generation._constraint_table import _SPARE_TOKEN, _check_capacity, _check_think, _think_chain, check_automaton
+from ..generation._constraint_table import SPARE_TOKEN, check_capacity, check_think, think_chain, check_automaton
 from ..generation._sampling import Sampling, choose_rows, model_logprob
 
 
@@ -71,7 +71,7 @@ class ConstraintBlocks:
     """The host's copy of the table, its blocks, and which request holds which block."""
 
     def __init__(self, capacity, vocab: int):
-        self.capacity = _check_capacity(capacity)
+        self.capacity = check_capacity(capacity)
         self.vocab = vocab
         states, exceptions = self.capacity
         if states < 2:
@@ -81,7 +81,7 @@ class ConstraintBlocks:
             allowed=np.zeros((states, words), np.uint32),
             default_next=np.zeros((states,), np.int32),
             exc_start=np.zeros((states + 1,), np.int32),
-            exc_token=np.full((exceptions,), _SPARE_TOKEN, np.int32),
+            exc_token=np.full((exceptions,), SPARE_TOKEN, np.int32),
             exc_next=np.zeros((exceptions,), np.int32),
             accepting=np.zeros((states,), np.bool_),
         )
@@ -98,7 +98,7 @@ class ConstraintBlocks:
                 raise ValueError("think_end applies to a constrained request; pass constraint= too, or drop think_end.")
             return None
         self.check(constraint)
-        think = _check_think(think_end, self.vocab)
+        think = check_think(think_end, self.vocab)
         if think is None:
             return constraint
         key = (id(constraint), think)
@@ -181,7 +181,7 @@ class ConstraintBlocks:
         host.allowed[block.state : block.state + states] = 0
         host.accepting[real] = False if clear else a.accepting
         host.default_next[real] = 0 if clear else np.asarray(a.default_next) + block.state
-        host.exc_token[own] = _SPARE_TOKEN if clear else a.exc_token
+        host.exc_token[own] = SPARE_TOKEN if clear else a.exc_token
         host.exc_next[own] = 0 if clear else np.asarray(a.exc_next) + block.state
         if not clear:
             host.allowed[real] = a.allowed
@@ -198,10 +198,10 @@ class ConstraintBlocks:
 
 
 def thinking(automaton: Automaton, think: tuple[int, ...]) -> Automaton:
-    """`automaton` after a THINK chain of `len(think)` states (`_constraint_table._think_chain`),
+    """`automaton` after a THINK chain of `len(think)` states (`_constraint_table.think_chain`),
     which starts it: free text without EOS until the ids `think`, then `automaton`."""
     m, words = len(think), np.shape(automaton.allowed)[1]
-    default, chain = _think_chain(think, 0, m)
+    default, chain = think_chain(think, 0, m)
     i32 = lambda x: np.asarray(x, np.int32)
     counts = [len(row) for row in chain] + np.diff(automaton.exc_start).tolist()
     return Automaton(
