@@ -12,6 +12,7 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,20 @@ def test_json_object_is_an_object(client):
     )  # fmt: skip
     assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
     assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_the_docs_server_example_runs_as_written(server):
+    """docs/structured.md's Python block for the server (skipped by the docs test, which has
+    no server), run here as written with this server's address and model name put in."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "structured.md").read_text()
+    section = page.split("## Through the server", 1)[1].split("\n## ", 1)[0]
+    (block,) = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    assert "http://127.0.0.1:8000/v1" in block and '"my-checkpoint"' in block
+    block = block.replace("http://127.0.0.1:8000", server.url).replace('"my-checkpoint"', '"served"')
+    namespace = {}
+    exec(compile(block, "docs/structured.md", "exec"), namespace)
+    jsonschema.validate(namespace["person"], namespace["person_schema"])
+    assert namespace["label"].choices[0].text in ("positive", "negative")
 
 
 def test_structured_outputs_regex_is_generates_greedy_answer(client, local):  # noqa: F811
