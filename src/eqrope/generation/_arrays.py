@@ -47,7 +47,7 @@ def model_facts(model) -> ModelFacts:
 
     A module is immutable, so its facts hold while it lives: a concrete module's are kept
     (by `id`, checked against a weak reference, dropped when the module is collected), and
-    each later call skips the tree walks, a tenth of a seed-sized `generate` call's time.
+    each later call skips the tree walks (about 0.07 ms of a 2.5 ms seed-protocol call).
     A model with tracers (under `jax.grad`), or any other object, is walked every call.
     """
     entry = _FACTS.get(id(model))
@@ -63,7 +63,10 @@ def model_facts(model) -> ModelFacts:
             if _FACTS.get(key, (None,))[0] is ref:
                 del _FACTS[key]
 
-        _FACTS[key] = (weakref.ref(model, forget), facts)
+        try:
+            _FACTS[key] = (weakref.ref(model, forget), facts)
+        except TypeError:  # a module that takes no weak reference: walked every call
+            pass
     return facts
 
 
