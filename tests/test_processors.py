@@ -10,12 +10,13 @@ checked against OpenAI's formula written out in NumPy.
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from eqrope.generation._processors import History, penalize, suppress, truncate
-from eqrope.generation._sampling import Sampling, process_logits
+from eqrope.generation._sampling import Sampling, choose_rows, choose_token, process_logits, stack_rows
 
 
 CASES = 240
@@ -217,3 +218,45 @@ def test_neutral_settings_change_nothing_bit_for_bit():
     scaled = jax.jit(jax.vmap(lambda x: truncate(x, VOCAB, 1.0, 0.0)))(logits)
     np.testing.assert_array_equal(np.asarray(scaled), logits)
     assert jnp.asarray(out).dtype == jnp.float32
+
+
+def test_without_top_k_and_top_p_the_unsorted_cut_keeps_the_same_bits():
+    """`truncate` skips the sort when neither filter is on; forcing the sorted path gives
+    the same bits, with infinities and NaNs among the logits too (a NaN is dropped)."""
+    logits, _, _ = cases(18)
+    logits[:8, :3] = [np.inf, -np.inf, np.nan]
+    logits[8] = np.nan
+    min_p = np.random.default_rng(19).uniform(0.0, 0.5, CASES).astype(np.float32)
+    run = jax.jit(jax.vmap(lambda x, mp, s: truncate(x, VOCAB, 1.0, mp, s), in_axes=(0, 0, None)))
+    sorted_, unsorted = run(logits, min_p, True), run(logits, min_p, False)
+    np.testing.assert_array_equal(np.asarray(sorted_).view(np.int32), np.asarray(unsorted).view(np.int32))
+    assert np.all(np.isneginf(np.asarray(unsorted)[:9, 2]))
+
+
+def _conds_around_sort(jaxpr) -> float:
+    """The fewest `cond`s around a `sort` of `jaxpr` (inf without a sort)."""
+    depth = float("inf")
+    for eqn in jaxpr.eqns:
+        inner = int(eqn.primitive.name == "cond")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            depth = min(depth, inner + _conds_around_sort(sub))
+        if eqn.primitive.name == "sort":
+            depth = 0
+    return depth
+
+
+def test_the_sort_has_a_branch_of_its_own_also_for_settings_per_row():
+    """When sampling, the sort still runs behind a `cond` on the batch's settings (under
+    the greedy-or-sample one), also when each row has its own settings: a predicate per
+    row would turn that `cond` into a select that sorts at every step."""
+    logits, prompts, new = cases(20)
+    rows = 4
+    h = stacked(map(history, prompts[:rows], new[:rows]))
+    one = Sampling(temperature=np.float32(1.0), top_k=np.int32(VOCAB), top_p=np.float32(1.0), eos=np.full(1, -1, np.int32))
+    each = stack_rows([one._replace(top_k=np.int32(k)) for k in (VOCAB, 3, VOCAB, 7)])
+    keys = jax.random.split(jax.random.key(0), rows)
+    args = jax.tree.map(jnp.asarray, (logits[:rows], h, np.zeros(rows, np.int32), keys, np.arange(rows, dtype=np.int32)))
+    shared = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, None))
+    for fn, sampling in ((shared, one), (choose_rows, each)):
+        assert _conds_around_sort(jax.make_jaxpr(fn)(*args, sampling).jaxpr) == 2
+    # That each row still chooses what it chooses alone: tests/test_per_row_settings.py.

@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 
 from ..model import KVCache
 from ..sharding._rules import constrain, shard_batch
-from ._arrays import for_decoding, rebuild, split_model
+from ._arrays import for_decoding, model_facts, rebuild
 from ._compile_lines import compiling_generate
 from ._constraint import Constraint, advance, constrain_logits
 from ._prefill import prepare
@@ -77,10 +77,10 @@ def generate_cached(model, *args, **static):
     """`decode_program`, compiled, called with the model's arrays as arguments.
 
     Like `eqx.filter_jit`, but cheaper per call for the small models whose generation is
-    dominated by fixed costs (see `split_model`).
+    dominated by fixed costs (see `_arrays.py`).
     """
-    arrays, structure = split_model(model)
-    return generate_program(arrays, *args, structure=structure, **static)
+    facts = model_facts(model)
+    return generate_program(facts.arrays, *args, structure=facts.structure, **static)
 
 
 @functools.partial(

@@ -7,6 +7,7 @@ message whichever way it came. The checks that need the vocabulary (token ids be
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,7 +164,28 @@ def resolve(config: GenerationConfig | None, given: dict) -> GenerationConfig:
     for name, other in (("max_new", "max_total"), ("max_total", "max_new")):
         if changes.get(name) is not None and other not in changes:
             changes[other] = None
-    return dataclasses.replace(config, **changes) if changes else config
+    if not changes:
+        return config
+    # Plain numbers are kept with their type and repr (1, 1.0 and True hash alike; -0.0
+    # and 0.0 compare equal), so a repeated call skips the checks of the same values.
+    items = tuple((name, v, type(v), repr(v)) for name, v in changes.items())
+    plain = all(type(v) in _PLAIN for v in changes.values())
+    return (_replaced if plain and hashable(config) else _replace)(config, items)
 
 
+def hashable(config: GenerationConfig) -> bool:
+    """Whether `config` hashes (the caches of checked settings are keyed by it)."""
+    try:
+        hash(config)
+    except TypeError:  # e.g. a `StopStrings` of unhashable parts
+        return False
+    return True
+
+
+def _replace(config: GenerationConfig, items: tuple) -> GenerationConfig:
+    return dataclasses.replace(config, **{name: value for name, value, *_ in items})
+
+
+_replaced = functools.lru_cache(maxsize=128)(_replace)
+_PLAIN = frozenset({type(None), int, float, bool})
 _DEFAULT = GenerationConfig()

@@ -12,7 +12,7 @@ values of the same batch do not recompile.
 import jax
 import numpy as np
 
-from ._generation_config import GenerationConfig, resolve
+from ._generation_config import GenerationConfig, _FromConfig, resolve
 from ._request_checks import UNDER_JIT
 from ._sampling import Sampling, stack_rows
 from ._settings import _CHECKS
@@ -22,6 +22,10 @@ PER_ROW = (
     "max_new", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_new",
 )  # fmt: skip
+
+# Values that hold no array: `generate`'s defaults (`FROM_CONFIG`), `None`, numbers.
+_PLAIN = frozenset({_FromConfig, type(None), int, float, bool})
+
 
 def _is_rows(value) -> bool:
     return isinstance(value, (list, tuple)) or (
@@ -39,6 +43,8 @@ def split_rows(given: dict) -> tuple[dict, dict[str, tuple]]:
     >= 0`).
     """
     for name, value in given.items():
+        if type(value) in _PLAIN:  # most settings: nothing to walk
+            continue
         if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
             raise TypeError(UNDER_JIT.format(name=name))
     shared = {k: v for k, v in given.items() if k not in PER_ROW or not _is_rows(v)}

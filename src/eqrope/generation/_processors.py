@@ -101,6 +101,7 @@ def truncate(
     top_k: Int[ArrayLike, ""],
     top_p: Float[ArrayLike, ""],
     min_p: Float[ArrayLike, ""],
+    sorts: Bool[ArrayLike, ""] | None = None,
 ) -> Float[Array, " vocab"]:
     """Top-k, then top-p, then min-p, on temperature-scaled logits; dropped tokens get `-inf`.
 
@@ -114,7 +115,29 @@ def truncate(
 
     These are transformers' `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper`
     with `min_tokens_to_keep=1`, in the order `_get_logits_processor` applies them.
+
+    Only top-k and top-p sort the vocabulary, so the sort runs in a `lax.cond` on
+    `sorts`: whether any row of the call asks for either (default: this row's settings).
+    Without them the cut is the lowest logit, which keeps everything, bit for bit as the
+    sorted path does. Under `jax.vmap` pass the batch's `sorts` unbatched (`choose_rows`),
+    or the branch becomes a select that sorts anyway.
     """
+    vocab = scaled.shape[0]
+    if sorts is None:
+        sorts = needs_sort(top_k, top_p, vocab)
+    filtered = jax.lax.cond(sorts, _top_k_top_p, _keep_all, scaled, top_k, top_p)
+    probs = jax.nn.softmax(filtered)
+    floor = jnp.asarray(min_p).astype(probs.dtype) * jnp.max(probs)
+    return jnp.where(probs >= floor, filtered, -jnp.inf)
+
+
+def needs_sort(top_k: Int[ArrayLike, "*rows"], top_p: Float[ArrayLike, "*rows"], vocab: int) -> Bool[Array, ""]:
+    """Whether top-k or top-p drops anything for some row (`top_k < vocab`, `top_p < 1`):
+    `truncate` sorts only then."""
+    return jnp.any((jnp.asarray(top_k) < vocab) | (jnp.asarray(top_p) < 1))
+
+
+def _top_k_top_p(scaled, top_k, top_p):
     vocab = scaled.shape[0]
     # One sort serves top-k and top-p: masking the sorted logits keeps them sorted.
     descending = jnp.sort(scaled)[::-1]
@@ -128,7 +151,11 @@ def truncate(
     n_keep = jnp.where(top_p < 1, jnp.sum(mass_from > 1 - top_p), vocab)
     threshold = descending[jnp.maximum(n_keep, 1) - 1]
     # A count past the top-k tokens reads a masked (-inf) entry; kth still holds.
-    filtered = jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
-    probs = jax.nn.softmax(filtered)
-    floor = jnp.asarray(min_p).astype(probs.dtype) * jnp.max(probs)
-    return jnp.where(probs >= floor, filtered, -jnp.inf)
+    return jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)
+
+
+def _keep_all(scaled, top_k, top_p):
+    # What the sorted path keeps with neither filter on: every logit at or above the last
+    # sorted one, the lowest (JAX sorts NaNs last), so only a NaN becomes -inf.
+    del top_k, top_p
+    return jnp.where(jnp.isnan(scaled), -jnp.inf, scaled)

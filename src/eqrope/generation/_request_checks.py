@@ -221,11 +221,10 @@ def _refuse_text_and_ragged_rows(prompt) -> None:
         )
 
 
-def _check_fixed_rows(model, batched: bool, shape: tuple[int, int]) -> None:
-    """Refuse a prompt whose rows differ from the model's `fixed_rows` (an `int` when the
-    model runs on exactly that many rows, as with adapters chosen per row), before any
-    trace: a 1-D prompt is one row, which such a model cannot run on."""
-    rows = getattr(model, "fixed_rows", None)
+def _check_fixed_rows(rows: int | None, batched: bool, shape: tuple[int, int]) -> None:
+    """Refuse a prompt whose rows differ from the model's `fixed_rows` `rows` (an `int`
+    when the model runs on exactly that many rows, as with adapters chosen per row),
+    before any trace: a 1-D prompt is one row, which such a model cannot run on."""
     if rows is None or (batched and shape[0] == rows):
         return
     got = f"a (batch, seq) prompt of {shape[0]} rows" if batched else f"a 1-D prompt (shape {shape[1:]})"

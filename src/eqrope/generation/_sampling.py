@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, UInt
 
-from ._processors import History, penalize, suppress, truncate
+from ._processors import History, needs_sort, penalize, suppress, truncate
 from ._stop_strings import NO_TEXT_STOPS, TextStops
 
 
@@ -110,8 +110,10 @@ def choose_token(
     key: UInt[Array, "2"] | Key[Array, ""],
     position: Int[Array, ""],
     sampling: Sampling,
+    sorts: Bool[ArrayLike, ""] | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""], Float[Array, ""]]:
-    """The token at `position` of a row: every processor, then `sample_token`.
+    """The token at `position` of a row: every processor, then `sample_token` (`sorts`:
+    see `_processors.truncate`).
 
     **Returns:** `(token, logprob, model_logprob)`: the token; its log-probability under
     the distribution it was drawn from (after every processor: penalties, masks,
@@ -121,7 +123,8 @@ def choose_token(
     masks or truncation.
     """
     logits = logits.astype(jnp.float32)
-    token, logprob = sample_token(process_logits(logits, history, n_new, sampling), key, position, sampling)
+    processed = process_logits(logits, history, n_new, sampling)
+    token, logprob = sample_token(processed, key, position, sampling, sorts)
     return token, logprob, model_logprob(logits, token, sampling)
 
 
@@ -139,10 +142,13 @@ def choose_rows(
     Under `jax.vmap` a per-row temperature would turn the greedy-or-sample branch into a
     select that sorts the vocabulary for every row at every step; when no row samples,
     the greedy branch runs alone, as it does for a `generate` call. Each row's token is
-    the one `choose_token` gives that row alone.
+    the one `choose_token` gives that row alone. Likewise the vocabulary is sorted (for
+    top-k and top-p) only when some row asks for either.
     """
     def some_sample(_):
-        return jax.vmap(choose_token)(logits, history, n_new, keys, positions, sampling)
+        sorts = needs_sort(sampling.top_k, sampling.top_p, logits.shape[-1])
+        choose = jax.vmap(choose_token, in_axes=(0, 0, 0, 0, 0, 0, None))
+        return choose(logits, history, n_new, keys, positions, sampling, sorts)
 
     def all_greedy(_):
         greedy = sampling._replace(temperature=jnp.zeros((), jnp.float32))
@@ -169,14 +175,15 @@ def sample_token(
     key: UInt[Array, "2"] | Key[Array, ""],
     position: Int[Array, ""],
     sampling: Sampling,
+    sorts: Bool[ArrayLike, ""] | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, ""]]:
     """Sample the token at `position` of a row whose key is `key`; `temperature == 0` is
-    greedy.
+    greedy (`sorts`: see `_processors.truncate`).
 
     **Returns:** `(token, logprob)`, `logprob` the token's log-probability under the
     distribution it was chosen from (see `draw`).
     """
-    token, logprobs = draw(logits.astype(jnp.float32), key, position, sampling)
+    token, logprobs = draw(logits.astype(jnp.float32), key, position, sampling, sorts)
     return token, logprobs[token]
 
 
@@ -185,6 +192,7 @@ def draw(
     key: UInt[Array, "2"] | Key[Array, ""],
     position: Int[Array, ""],
     sampling: Sampling,
+    sorts: Bool[ArrayLike, ""] | None = None,
 ) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
     """The token at `position` from float32 (processed) logits, and the log-probabilities
     of the distribution it was chosen from.
@@ -194,6 +202,9 @@ def draw(
     (`eqrope.generation._processors.truncate`), and the token is drawn with
     `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
     spends nothing on keys); the log-probabilities are those of the truncated logits.
+    The vocabulary is sorted only for top-k or top-p: `sorts`, default this row's
+    settings (see `_processors.truncate`); given, it is the batch's, and both the greedy
+    and the sampled token are computed, the row's temperature choosing.
     """
     temperature = jnp.asarray(sampling.temperature)
 
@@ -202,12 +213,17 @@ def draw(
 
     def sample(_):
         scaled = logits / temperature.astype(jnp.float32)
-        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p)
+        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
         token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
         return token.astype(jnp.int32), jax.nn.log_softmax(filtered)
 
-    # A real branch, not a select: greedy decoding skips the sort and the random draw.
-    return jax.lax.cond(temperature > 0, sample, greedy, None)
+    if sorts is None:
+        # A real branch, not a select: greedy decoding skips the sort and the random draw.
+        return jax.lax.cond(temperature > 0, sample, greedy, None)
+    # The batch's `sorts` (`choose_rows`): under `jax.vmap` with a temperature per row a
+    # `cond` would be a select anyway, whose branches see every value batched, `sorts`
+    # too; so the select is written out, and the sort keeps its branch.
+    return jax.tree.map(lambda s, g: jnp.where(temperature > 0, s, g), sample(None), greedy(None))
 
 
 def row_keys(key: Key[Array, ""], batch: int, batched: bool, samples: int | None) -> Key[Array, " rows"]:

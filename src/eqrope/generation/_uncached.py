@@ -57,11 +57,12 @@ def generate_uncached(model, request: Request) -> Outputs:
     **Returns:** the `Outputs`, as NumPy arrays laid out as the cached program's.
     """
     rows, max_len, n = request.rows, request.max_len, request.samples or 1
-    # Each row's own settings: the call's, or its row of settings given per row.
-    if per_row(request.sampling):
-        settings = [jax.tree.map(lambda x, r=r: np.asarray(x)[r], request.sampling) for r in range(rows)]
+    # Each row's own settings, on the host: the call's, or its row of settings per row.
+    sampling = jax.tree.map(np.asarray, request.sampling)
+    if per_row(sampling):
+        settings = [jax.tree.map(lambda x, r=r: x[r], sampling) for r in range(rows)]
     else:
-        settings = [request.sampling] * rows
+        settings = [sampling] * rows
     max_new = request.new_tokens()
     tokens = np.zeros((rows, max_len), np.int32)
     logprobs = np.zeros((rows, max_len), np.float32)
