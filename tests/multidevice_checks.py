@@ -26,7 +26,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 with install_import_hook("eqrope", "beartype.beartype"):
     import eqrope
     import eqrope.testing
-    from eqrope.generation import _decode, _sampling
+    from eqrope.generation import _decode
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -214,12 +214,22 @@ def check_generation(out: dict) -> None:
     ]
     REFERENCE["tokens"] = np.asarray(refs[0].tokens)
     traces_before = TRACES["generate_program"]
-    gens = [
-        eqrope.generate(
-            placed, prompt, 20, prompt_lengths=lengths, return_logprobs=True, mesh=mesh, **s
-        )
-        for s in settings
-    ]
+    program, calls = _decode.generate_program, []
+
+    def recording(*args, **static):  # what `generate` passes its compiled program
+        calls.append((args, static))
+        return program(*args, **static)
+
+    _decode.generate_program = recording
+    try:
+        gens = [
+            eqrope.generate(
+                placed, prompt, 20, prompt_lengths=lengths, return_logprobs=True, mesh=mesh, **s
+            )
+            for s in settings
+        ]
+    finally:
+        _decode.generate_program = program
     traces = TRACES["generate_program"] - traces_before
     out["generation"] = {
         "traces": traces,
@@ -233,23 +243,10 @@ def check_generation(out: dict) -> None:
     # unstacked layout), so each block's keys are one such buffer.
     abstract = jax.eval_shape(lambda: model.unstacked().init_cache(6))
     cache_sharding = eqrope.shardings(abstract, mesh).keys[0]
-    leaves, structure = jax.tree.flatten(placed)
-    args = (
-        leaves,
-        *eqrope.shard_batch((jnp.zeros((6, SIZES["max_len"]), jnp.int32), lengths), mesh),
-        jnp.asarray(20, jnp.int32),
-        _sampling.Sampling(
-            temperature=jnp.asarray(0.0, jnp.float32),
-            top_k=jnp.asarray(SIZES["vocab_size"], jnp.int32),
-            top_p=jnp.asarray(1.0, jnp.float32),
-            eos=jnp.asarray([-1], jnp.int32),
-        ),
-        jax.random.key(0),
-    )
-    lowered = _decode.generate_program.lower(
-        *args, structure=structure, batched=True, chunk=32, mesh=mesh
-    )
-    text = lowered.compile().as_text()
+    # The program the greedy call ran, lowered with its own arguments: JAX's cache hands
+    # back that compiled program (no second compile).
+    args, static = calls[0]
+    text = program.lower(*args, **static).compile().as_text()
     shape = abstract.keys[0].shape
     local = cache_sharding.shard_shape(shape)
     out["generation"]["cache_spec"] = spec_str(cache_sharding.spec)
