@@ -55,6 +55,9 @@ def write_checkpoint(model, folder: Path) -> Path:
 
 
 SERVER_ARGS = dict(slots=8, max_len=1024, page_size=16, prefill_chunk=32, decode_steps=16, max_waiting=64)
+# The tiny mode's prompts are 12 tokens: one 16-token piece size halves the prefill
+# programs the server (and the engine beside it) compiles.
+TINY_SERVER_ARGS = dict(prefill_chunk=16)
 
 
 @contextlib.contextmanager
@@ -223,7 +226,7 @@ def run(cfg: dict, mode: str, workload, engine_run, work_dir: Path, log) -> dict
     model = eqrope.RotaryDecoder.from_config(eqrope.DecoderConfig(**cfg["shape"]), key=jax.random.key(0))
     folder = write_checkpoint(model, work_dir / "bench-checkpoint")
     cache = str(eqrope.use_compilation_cache(work_dir / "jax-cache"))
-    settings = dict(SERVER_ARGS, max_len=cfg["max_len"], slots=cfg["slots"])
+    settings = dict(SERVER_ARGS, **(TINY_SERVER_ARGS if mode == "tiny" else {}), max_len=cfg["max_len"], slots=cfg["slots"])
     result = {"server_settings": settings}
     with server_process(folder, settings, cache, work_dir / "server.log") as (url, ready):
         log(f"  server ready in {ready:.0f} s (loading, and compiling every engine program)")

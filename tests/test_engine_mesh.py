@@ -124,8 +124,10 @@ def test_two_processes_serve_http_as_one_server(tmp_path, monkeypatch):
     env = cpu_env(4)
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # `serve` starts its process with os.environ
         monkeypatch.setenv(name, env[name])
-    common = ["--slots", "8", "--max-len", "64", "--mesh", "8,1", "--coordinator", f"localhost:{free_port()}",
-              "--num-processes", "2"]  # fmt: skip
+    # One prefill piece size (16, the prompts' longest is 5): 3 prefill programs to warm up
+    # in each process instead of the default chunk's 9.
+    common = ["--slots", "8", "--max-len", "64", "--prefill-chunk", "16", "--mesh", "8,1",
+              "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]  # fmt: skip
     follower = subprocess.Popen(
         [sys.executable, "-m", "eqrope.serve", str(checkpoint), "--port", str(free_port()), *common, "--process-id", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -187,8 +189,9 @@ def test_mesh_arguments_are_checked(model):
 def test_a_one_device_mesh_equals_no_mesh(model):
     prompts = [np.arange(3, 3 + k, dtype=np.int32) % 32 for k in (2, 9, 5)]
     config = eqrope.GenerationConfig(max_new=6, temperature=1.0)
-    plain = eqrope.Engine(model, slots=2, max_len=32, prefill_chunk=16).generate(prompts, config)
-    engine = eqrope.Engine(model, slots=2, max_len=32, prefill_chunk=16, mesh=eqrope.make_mesh(1, 1))
+    # One decode bucket (the default's are 1 and 2 slots): half the decode programs.
+    plain = eqrope.Engine(model, slots=2, max_len=32, prefill_chunk=16, decode_buckets=(2,)).generate(prompts, config)
+    engine = eqrope.Engine(model, slots=2, max_len=32, prefill_chunk=16, decode_buckets=(2,), mesh=eqrope.make_mesh(1, 1))
     meshed = engine.generate(prompts, config)
     assert [c.tokens.tolist() for c in meshed] == [c.tokens.tolist() for c in plain]
     assert engine.stats.pages_free == engine.stats.pages_total
