@@ -5,6 +5,12 @@ The checkpoint is written without torch: a byte-level BPE tokenizer trained here
 Llama-family `eqrope.RotaryDecoder` written with `eqrope.to_hf`, and a
 `generation_config.json`. The server listens on 127.0.0.1 on a free port, and is stopped
 with SIGTERM by the test that started it.
+
+The servers of one pytest session share JAX's persistent compilation cache, in a folder of
+the session's temporary root (all xdist workers' servers see the same one): most of a
+server's start is compiling the engine's programs, and servers started with the same
+checkpoint shapes and engine flags (`--slots`, `--max-len`, ...) compile the same ones.
+Only the server processes use it, never the test process.
 """
 
 import contextlib
@@ -76,6 +82,16 @@ def write_checkpoint(folder: Path, *, max_len: int = 128, seed: int = 0) -> Path
     return folder
 
 
+def session_cache(log_dir: Path) -> Path | None:
+    """JAX's compilation cache folder for the servers of this pytest session: `xla-cache`
+    in the session's temporary root above `log_dir` (the parent of an xdist worker's
+    `popen-gw*` folder, else the `pytest-N` folder), or `None` outside one."""
+    parents = log_dir.resolve().parents
+    roots = [p.parent for p in parents if p.name.startswith("popen-gw")]
+    roots = roots or [p for p in parents if p.name.startswith("pytest-") and p.parent.name.startswith("pytest-of-")]
+    return roots[0] / "xla-cache" if roots else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,6 +127,9 @@ def serve(checkpoint: Path, *args: str, log_dir: Path, timeout: float = 240.0):
     port = free_port()
     log = log_dir / f"server-{port}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cache = session_cache(log_dir)
+    if cache is not None:  # JAX's cache is safe for concurrent writers
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "eqrope.serve", str(checkpoint), "--port", str(port), *args],
@@ -119,17 +138,20 @@ def serve(checkpoint: Path, *args: str, log_dir: Path, timeout: float = 240.0):
     served = Served(process, port, log)
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the server exited with {process.returncode}:\n{served.text()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the server did not answer /health within {timeout} s:\n{served.text()}")
-            try:
-                if httpx.get(served.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        # One client for all the polls (each `httpx.get` builds a client, and its TLS
+        # context costs ~25 ms of CPU: seconds over a server's start).
+        with httpx.Client(timeout=2) as poll:
+            while True:
+                if process.poll() is not None:
+                    raise AssertionError(f"the server exited with {process.returncode}:\n{served.text()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the server did not answer /health within {timeout} s:\n{served.text()}")
+                try:
+                    if poll.get(served.url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         yield served
     finally:
         served.stop()

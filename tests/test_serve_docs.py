@@ -38,7 +38,10 @@ def server(tmp_path_factory):
     (line,) = [c for c in commands(START) if "eqrope.serve" in c]
     args = shlex.split(line)[4:]  # after `python -m eqrope.serve ./my-checkpoint`
     assert args[:2] == ["--port", "8000"], args
-    args = [a if a != "2048" else "128" for a in args[2:]]  # the small checkpoint's length
+    # The small checkpoint's length, and test_serve.py's slots: the servers of both modules
+    # compile the same programs, which the session's cache keeps (tests/_serve.py).
+    small = {"--max-len": "128", "--slots": "4"}
+    args = [small.get(flag, a) for flag, a in zip(["", *args[2:]], args[2:])]
     with serve(checkpoint, *args, log_dir=tmp_path_factory.mktemp("logs")) as s:
         yield s
 

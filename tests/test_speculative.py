@@ -61,6 +61,13 @@ def ragged(seed: int, vocab: int = 32):
     return prompt, np.array([12, 1, 7, 9], np.int32)
 
 
+def ragged_settings(lengths) -> dict:
+    """The ragged batch's settings: its lengths, an EOS, a stop sequence and a penalty.
+    Tests that call `generate` with them, 40 new tokens and `return_logprobs=True` share
+    the compiled programs of `test_greedy_equals_plain_on_a_ragged_batch`."""
+    return dict(prompt_lengths=lengths, eos_id=[3], stop=[[5, 6]], repetition_penalty=1.3, return_logprobs=True)
+
+
 # -- greedy: the tokens of plain decoding ----------------------------------------------------
 
 
@@ -68,11 +75,8 @@ def ragged(seed: int, vocab: int = 32):
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 def test_greedy_equals_plain_on_a_ragged_batch(target, drafts, name, draft_len):
     prompt, lengths = ragged(draft_len)
-    settings = dict(prompt_lengths=lengths, eos_id=[3], stop=[[5, 6]], repetition_penalty=1.3)
-    plain = eqrope.generate(target, prompt, 40, return_logprobs=True, **settings)
-    fast = eqrope.generate(
-        target, prompt, 40, draft=drafts[name], draft_len=draft_len, return_logprobs=True, **settings
-    )
+    plain = eqrope.generate(target, prompt, 40, **ragged_settings(lengths))
+    fast = eqrope.generate(target, prompt, 40, draft=drafts[name], draft_len=draft_len, **ragged_settings(lengths))
     np.testing.assert_array_equal(fast.tokens, plain.tokens)
     np.testing.assert_array_equal(fast.lengths, plain.lengths)
     np.testing.assert_allclose(fast.logprobs, plain.logprobs, atol=2e-5)
@@ -94,9 +98,9 @@ def test_greedy_equals_plain_on_a_ragged_batch(target, drafts, name, draft_len):
 
 def test_greedy_equals_the_uncached_path(target, drafts):
     prompt, lengths = ragged(7)
-    reference = eqrope.generate(Uncached(target), prompt, 24, prompt_lengths=lengths)
-    fast = eqrope.generate(target, prompt, 24, prompt_lengths=lengths, draft=drafts["close"])
-    np.testing.assert_array_equal(fast, reference)
+    reference = eqrope.generate(Uncached(target), prompt, 40, **ragged_settings(lengths))
+    fast = eqrope.generate(target, prompt, 40, draft=drafts["close"], draft_len=3, **ragged_settings(lengths))
+    np.testing.assert_array_equal(fast.tokens, reference.tokens)
 
 
 def test_the_close_draft_keeps_some_drafts_and_loses_others(target, drafts):
@@ -313,9 +317,12 @@ def test_bad_draft_arguments_are_refused_by_name(target, drafts):
 
 
 def test_a_draft_with_nan_weights_raises(target):
+    # The close draft's shapes and the ragged batch's settings: the program of
+    # test_greedy_equals_plain_on_a_ragged_batch[3-close], not one of its own.
     broken = eqx.tree_at(lambda m: m.head_bias, target, jnp.full_like(target.head_bias, jnp.nan))
+    prompt, lengths = ragged(3)
     with pytest.raises(FloatingPointError, match="draft model gave non-finite logits"):
-        eqrope.generate(target, np.arange(5, dtype=np.int32), 8, draft=broken)
+        eqrope.generate(target, prompt, 40, draft=broken, draft_len=3, **ragged_settings(lengths))
 
 
 def test_draft_under_grad_is_refused(target, drafts):
@@ -329,7 +336,9 @@ def test_draft_under_grad_is_refused(target, drafts):
 
 @pytest.mark.usefixtures("precision")
 def test_x64_mode(target, drafts):
+    # The ragged batch's settings: in x32 mode, the programs of
+    # test_greedy_equals_plain_on_a_ragged_batch[3-close].
     prompt, lengths = ragged(9)
-    plain = eqrope.generate(target, prompt, 12, prompt_lengths=lengths)
-    fast = eqrope.generate(target, prompt, 12, prompt_lengths=lengths, draft=drafts["close"])
-    np.testing.assert_array_equal(fast, plain)
+    plain = eqrope.generate(target, prompt, 40, **ragged_settings(lengths))
+    fast = eqrope.generate(target, prompt, 40, draft=drafts["close"], draft_len=3, **ragged_settings(lengths))
+    np.testing.assert_array_equal(fast.tokens, plain.tokens)
