@@ -11,9 +11,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 # The environment of a smoke run of a bench script (its tiny or quick mode) in a
-# subprocess: XLA's cheapest code generation compiles in about two thirds of the time,
-# and these tests check the figures' consistency, never a timing.
-SMOKE_ENV = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+# subprocess: the suite's cheap code generation (conftest.py's flags: XLA's cheapest LLVM
+# passes and its older loop emitters compile in well under half the time), and these
+# tests check the figures' consistency, never a timing. .ci/run's tiny kv_cache run uses
+# the same flags.
+SMOKE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+SMOKE_ENV = {**os.environ, "XLA_FLAGS": SMOKE_FLAGS}
 
 
 def load(name: str):

@@ -1,6 +1,6 @@
 """Sharded training and generation against one device, on 8 virtual CPU devices.
 
-Run by `tests/test_sharding.py` in a subprocess, because the device count is fixed when
+Run by `tests/test_sharding_devices.py` in a subprocess, because the device count is fixed when
 JAX starts: `XLA_FLAGS=--xla_force_host_platform_device_count=8 python
 tests/multidevice_checks.py` prints one JSON object of measured differences, shardings
 and collectives, which the test asserts on. Runs with the test session's settings

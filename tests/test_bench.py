@@ -367,3 +367,10 @@ def test_full_cache_ops_reads_hlo(monkeypatch):
     assert [o["instruction"] for o in ops] == ["copy_fusion", "dynamic-update-slice_fusion"]
     assert [o["in_place_update"] for o in ops] == [False, True]
     assert ops[0]["nbytes"] == 512 * 2 * 8 * 4 and ops[0]["source"] == "jit(step)/slice"
+
+
+def test_ci_runs_the_tiny_bench_with_the_smoke_flags():
+    # The run the fixture above reads when .ci/run gives it must be the one it would make.
+    from _bench import SMOKE_FLAGS
+
+    assert f'XLA_FLAGS="{SMOKE_FLAGS}" python bench/kv_cache.py --tiny' in (ROOT / ".ci" / "run").read_text()

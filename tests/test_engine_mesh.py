@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 from _models import random_model
-from test_sharding import ROOT, cpu_env, parse
+from test_sharding_devices import ROOT, cpu_env, parse
 
 import eqrope
 from eqrope.serving._mesh_layout import check_pages, data_shards, decode_slots, place_rows
