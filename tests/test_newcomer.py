@@ -152,7 +152,7 @@ def bash_commands(text: str) -> list[str]:
 def test_readme_gives_the_venv_the_test_time_and_quicker_subsets():
     assert "`python -m venv .venv && source .venv/bin/activate`" in README
     assert README.index("python -m venv .venv") < README.index('pip install -e ".[dev]"')
-    assert 'pytest -m "not experiment"' in README
+    assert 'pytest -m "not experiment"' in README and "`pytest -m quick`" in README
     # The figures themselves are checked against the measured run by tests/test_readme_path.py.
     skips = json.loads((ROOT / "tests" / "data" / "suite_figures.json").read_text())["skipped_without_extras"]
     assert f"{skips} tests skip" in README
@@ -370,3 +370,11 @@ def test_save_and_to_hf_with_the_arguments_swapped_say_the_order(tmp_path):
     assert out[0].startswith("eqrope.save(path, model) takes the directory first and the model second")
     assert out[1].startswith("eqrope.to_hf(model, path) takes the model first and the directory second")
     assert f"Call eqrope.save({str(tmp_path / 'ckpt')!r}, model)." in out[0]
+
+
+def test_the_quick_subset_names_modules_that_exist():
+    from conftest import QUICK
+
+    tests = ROOT / "tests"
+    assert QUICK and all((tests / name).is_file() for name in QUICK), sorted(n for n in QUICK if not (tests / n).is_file())
+    assert "`QUICK`" in README
