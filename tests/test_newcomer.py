@@ -373,7 +373,7 @@ def test_save_and_to_hf_with_the_arguments_swapped_say_the_order(tmp_path):
 
 
 def test_the_quick_subset_names_modules_that_exist():
-    from conftest import QUICK
+    from _quick import QUICK
 
     tests = ROOT / "tests"
     assert QUICK and all((tests / name).is_file() for name in QUICK), sorted(n for n in QUICK if not (tests / n).is_file())
