@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 from _models import random_model
-from test_sharding_devices import ROOT, cpu_env, parse
+from test_sharding_devices import ROOT, cpu_env, eight_device_report, parse
 
 import eqrope
 from eqrope.serving._mesh_layout import check_pages, data_shards, decode_slots, place_rows
@@ -35,13 +35,7 @@ def reference_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(reference_file):
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--save", str(reference_file)], env=cpu_env(8), cwd=ROOT / "tests", capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = parse(proc.stdout)
-    assert result["devices"] == 8
-    return result
+    return eight_device_report(SCRIPT, reference_file, ROOT / "tests")
 
 
 @pytest.mark.multidevice

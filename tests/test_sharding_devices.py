@@ -45,12 +45,13 @@ def reference_file(tmp_path_factory):
     return tmp_path_factory.mktemp("sharding") / "reference.npz"
 
 
-@pytest.fixture(scope="module")
-def report(reference_file):
+def eight_device_report(script: str, reference_file: Path, cwd: Path) -> dict:
+    """Run a checks script with `--save reference_file` on 8 virtual CPU devices in a
+    subprocess, and return its report (which must say it saw 8 devices)."""
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--save", str(reference_file)],
+        [sys.executable, script, "--save", str(reference_file)],
         env=cpu_env(8),
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=900,
@@ -59,6 +60,11 @@ def report(reference_file):
     result = parse(proc.stdout)
     assert result["devices"] == 8
     return result
+
+
+@pytest.fixture(scope="module")
+def report(reference_file):
+    return eight_device_report(SCRIPT, reference_file, ROOT)
 
 
 @pytest.mark.multidevice
