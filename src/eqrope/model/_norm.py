@@ -61,30 +61,33 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     bias (LayerNorm), computed so that it cannot overflow."""
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(x.dtype, jnp.float32)
+    c = _SCALE[jnp.dtype(dtype)]
     y = x.astype(dtype)
-    c = jnp.asarray(_SCALE[jnp.dtype(dtype)], dtype)
-    ys = y * c
+    # The row and its scaled copy as one `(2, d_model)` array, so that both statistics
+    # are one reduction (one kernel) and each is the usual one of its row, bitwise.
+    # `y` and `ys` are formed again for the output, so that XLA fuses `both` into the
+    # reductions instead of writing it out.
+    both = y[None, :] * jnp.asarray([1, c], dtype)[:, None]
+    ys = y * jnp.asarray(c, dtype)
     layer = isinstance(norm, eqx.nn.LayerNorm)
     if layer:
         # Where the plain mean overflows (the row's sum does), that branch is not taken;
         # it is zeroed so that its inf gives no NaN gradient. `ys` is centred as scaled.
-        mean = jnp.mean(y)
-        mean_fits = jnp.isfinite(mean)
-        y = jnp.where(mean_fits, y - jnp.where(mean_fits, mean, 0), 0)
-        ys = ys - jnp.mean(ys)
-    # `plain` is the usual statistic, bitwise; each is made safe before its rsqrt, so the
-    # branch not taken has no infinite gradient either.
-    plain, scaled = jnp.mean(y * y), jnp.mean(ys * ys)
-    fits = jnp.isfinite(plain) & mean_fits if layer else jnp.isfinite(plain)
-    plain = jnp.where(fits, plain, 1)
-    scaled = jnp.where(fits, 1, scaled)
+        means = jnp.mean(both, axis=-1)
+        centred = jnp.isfinite(means)  # the scaled mean always is
+        means = jnp.where(centred, means, 0)
+        both = jnp.where(centred[:, None], both - means[:, None], 0)
+        y = jnp.where(centred[0], y - means[0], 0)
+        ys = ys - means[1]
+    plain, scaled = jnp.mean(both * both, axis=-1)
+    fits = jnp.isfinite(plain) & centred[0] if layer else jnp.isfinite(plain)
     # `eps c^2` underflows, and is negligible where the plain statistic overflowed; the
     # smallest normal number in its place keeps a constant row's `0 * rsqrt` at 0, and is
     # far below any non-zero scaled statistic (huge entries differ by at least their ulp).
-    eps_scaled = max(norm.eps * _SCALE[jnp.dtype(dtype)] ** 2, float(jnp.finfo(dtype).tiny))
-    y = jnp.where(fits, y, ys) * jnp.where(
-        fits, jax.lax.rsqrt(plain + norm.eps), jax.lax.rsqrt(scaled + eps_scaled)
-    )
+    # The statistic not taken is selected away before the rsqrt, so neither its inf nor
+    # a zero's infinite derivative reaches a gradient.
+    eps_scaled = max(norm.eps * c**2, float(jnp.finfo(dtype).tiny))
+    y = jnp.where(fits, y, ys) * jax.lax.rsqrt(jnp.where(fits, plain + norm.eps, scaled + eps_scaled))
     if norm.weight is not None:
         y = y * norm.weight.astype(dtype)
     if getattr(norm, "bias", None) is not None:
