@@ -4,18 +4,24 @@ The parameters are Equinox's own layers: `eqx.nn.RMSNorm` (weight only) and, for
 textbook's `norm="layer"` variant, `eqx.nn.LayerNorm` (weight and bias). The computation
 is ours, because theirs squares the input directly: in float32 the mean of squares of a
 vector with entries above ~1e19 overflows to inf and the output becomes exactly zero.
-We also take the mean of squares of `x c`, `c = 2^-k` (`k` = 96 in float32, 768 in
-float64), in the same pass over `x`, and use it where the plain one overflowed, since
+We also take the mean of squares of `x c`, `c = 2^-k` (`k` = 80 in float32, 672 in
+float64), in the same pass over `x`, and use it where the plain one passes `2^k` (or
+overflows), since
 
     x / sqrt(mean(x^2) + eps) == (x c) / sqrt(mean((x c)^2) + eps c^2),
 
-and multiplying by a power of two is exact. Where the plain mean overflows, the entries
-are large enough that their scaled squares neither underflow nor overflow. The row is
-multiplied by `c` first and then by the inverse root: the single factor `c / rms(x)`
-would be subnormal once `rms(x)` passes `2^126` (float32), and XLA:CPU flushes it to 0.
-LayerNorm centres `x c` too, since the mean of `x` itself overflows once the row's sum
-does. The statistic is computed in (at least) float32 and the result cast back to the
-input dtype.
+and multiplying by a power of two is exact. The switch comes before the overflow for the
+gradient: the derivative of `rsqrt(m)`, `-m^-1.5 / 2`, is flushed to 0 once `m` passes
+`2^84` (float32), which dropped the gradient's term through the statistic (a 20% error
+on rows of 1e13 to 1e19). With the switch at `2^k` both statistics stay where that
+derivative is a normal number for rows up to an RMS of `2^122` (float32); past ~1e35
+the gradient, of the order of `1 / rms`, is in float32's subnormals anyway. Where the scaled statistic is
+taken, the entries are large enough that the largest scaled squares neither underflow
+nor overflow, and a sum of up to `2^32` of them fits. The row is multiplied by `c` first
+and then by the inverse root: the single factor `c / rms(x)` would be subnormal once
+`rms(x)` passes `2^126` (float32), and XLA:CPU flushes it to 0. LayerNorm centres `x c`
+too, since the mean of `x` itself overflows once the row's sum does. The statistic is
+computed in (at least) float32 and the result cast back to the input dtype.
 
 ??? cite "Zhang & Sennrich (2019), Eq. (4)"
 
@@ -80,8 +86,9 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
         y = jnp.where(centred[0], y - means[0], 0)
         ys = ys - means[1]
     plain, scaled = jnp.mean(both * both, axis=-1)
-    fits = jnp.isfinite(plain) & centred[0] if layer else jnp.isfinite(plain)
-    # `eps c^2` underflows, and is negligible where the plain statistic overflowed; the
+    fits = plain <= 1 / c  # false for inf (and NaN)
+    fits = fits & centred[0] if layer else fits
+    # `eps c^2` underflows, and is negligible where the plain statistic passed `2^k`; the
     # smallest normal number in its place keeps a constant row's `0 * rsqrt` at 0, and is
     # far below any non-zero scaled statistic (huge entries differ by at least their ulp).
     # The statistic not taken is selected away before the rsqrt, so neither its inf nor
@@ -95,6 +102,8 @@ def _norm_one(norm: eqx.Module, x: Float[Array, " d_model"]) -> Float[Array, " d
     return y.astype(x.dtype)
 
 
-# `c = 2^-k` for the scaled statistic: the squares of entries large enough to overflow
-# the plain mean stay normal numbers (float32 overflows past ~2^63, float64 past ~2^511).
-_SCALE = {jnp.dtype(jnp.float32): 2.0**-96, jnp.dtype(jnp.float64): 2.0**-768}
+# `c = 2^-k` for the scaled statistic, taken where the plain one passes `2^k` (module
+# docstring). float32: below `2^80`, `m^-1.5` is above `2^-120`; a scaled statistic is in
+# `(2^-80, 2^96)`, `m^-1.5` below `2^120`. float64: likewise `2^672` against the range's
+# `2^-1022 .. 2^1024`.
+_SCALE = {jnp.dtype(jnp.float32): 2.0**-80, jnp.dtype(jnp.float64): 2.0**-672}
