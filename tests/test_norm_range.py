@@ -120,29 +120,42 @@ def test_huge_embedding_row_gives_the_float64_logits(kind):
 def _reference_vjp(x, weight, g, layer):
     """The gradient of `sum(g * norm(x))` in float64, per row, from the closed form: with
     `u` the row (centred for LayerNorm) and `r = sqrt(mean(u^2) + eps)`, `dL/du = w g / r
-    - u sum(u w g) / (n r^3)`, less its mean for LayerNorm (`du/dx = I - 1/n`)."""
-    u = x - x.mean(-1, keepdims=True) if layer else x
-    r = np.sqrt(np.mean(u * u, -1, keepdims=True) + EPS)
+    - u sum(u w g) / (n r^3)`, less its mean for LayerNorm (`du/dx = I - 1/n`). Computed on
+    `y = x / a` (`a` the power of two at the row's largest |entry|), where nothing
+    overflows: the gradient at `x` is the one at `y` with `eps / a^2` for `eps`, over `a`."""
+    a = 2.0 ** np.frexp(np.abs(x).max(-1, keepdims=True))[1]
+    u = x / a
+    u = u - u.mean(-1, keepdims=True) if layer else u
+    r = np.sqrt(np.mean(u * u, -1, keepdims=True) + EPS / a / a)  # a**2 overflows past 1e154
     du = weight * g / r - u * np.sum(u * weight * g, -1, keepdims=True) / (x.shape[-1] * r**3)
-    return du - du.mean(-1, keepdims=True) if layer else du
+    return (du - du.mean(-1, keepdims=True) if layer else du) / a
+
+
+# Row maxima for the gradients, across each dtype's switch to the scaled statistic (a mean
+# square of 2^80 in float32, rows of ~1e12; 2^672 in float64, ~1e101) and the plain one's
+# overflow (~1e19; ~1e154). rsqrt's derivative at the plain statistic used to be flushed to
+# 0 between the two (a 20% error). Past ~1e35 a float32 gradient is itself subnormal.
+GRAD_MAGNITUDES = {"float32": np.logspace(-30, 35, 66), "float64": np.logspace(-100, 300, 81)}
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
-def test_norm_gradients_match_float64_on_both_branches(kind):
-    """Rows from 1e-30 to 1e35, across the switch to the scaled statistic (at a mean
-    square of 2^80, rows of ~1e12) and the plain one's overflow (~1e19). The derivative of
-    the plain statistic's rsqrt used to be flushed to 0 from rows of ~1e13 on (a 20% error);
-    past ~1e35 the gradient itself is in float32's subnormals."""
-    norm = _norm(kind, jnp.float32)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_norm_gradients_match_float64_on_both_branches(kind, dtype):
     rng = np.random.default_rng(3)
     u = rng.standard_normal((2, D))
     u[1] += 1.5
     u /= np.abs(u).max(-1, keepdims=True)
-    x = (u[None] * np.logspace(-30, 35, 66)[:, None, None]).reshape(-1, D).astype(np.float32)
-    g = rng.standard_normal(x.shape).astype(np.float32)
-    _, vjp = jax.vjp(lambda v: norm_rows(norm, v), jnp.asarray(x))
-    got = np.asarray(vjp(jnp.asarray(g))[0], np.float64)
-    expected = _reference_vjp(x.astype(np.float64), np.asarray(norm.weight, np.float64), g.astype(np.float64), kind == "layer")
+    x = (u[None] * GRAD_MAGNITUDES[dtype][:, None, None]).reshape(-1, D).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    with jax.enable_x64(dtype == "float64"):
+        norm = _norm(kind, jnp.dtype(dtype))
+        _, vjp = jax.vjp(lambda v: norm_rows(norm, v), jnp.asarray(x))
+        got = np.asarray(vjp(jnp.asarray(g))[0], np.float64)
+        weight = np.asarray(norm.weight, np.float64)
+    expected = _reference_vjp(x.astype(np.float64), weight, g.astype(np.float64), kind == "layer")
     err = np.abs(got - expected).max(-1) / np.abs(expected).max(-1)
     worst = int(np.argmax(err))
-    assert err[worst] <= TOLERANCE["float32"], f"{kind}: row of max |x| {np.abs(x[worst]).max():.3g} has rel. error {err[worst]:.3g}"
+    assert err[worst] <= TOLERANCE[dtype], (
+        f"{kind} {dtype}: the row of max |x| {np.abs(x[worst]).max():.3g} has rel. error "
+        f"{err[worst]:.3g} (tolerance {TOLERANCE[dtype]:g})"
+    )
