@@ -17,17 +17,23 @@ machine. Rows:
   `max_new=1` against the floor's one-pass prefill, both compiled, medians of repeats.
 
 Every figure is a median with its min and max over the repeats; the CPU seconds of each
-first call are beside its wall time (they move less when the machine is shared).
+first call are beside its wall time (they move less when the machine is shared), and its
+compile split into JAX's stages (`stages`: tracing, lowering, XLA; medians). `program`
+gives each side's compiled program by what it holds (`_hlo.py`: HLO instructions, fusions
+and the thunks XLA:CPU generates code for), from one more fresh process per side that
+has XLA write its optimised HLO out; counts do not move with the machine's load.
 """
 
 import argparse
 import os
+import pathlib
 import statistics
 import tempfile
 import time
 
 import eqrope
 from _fresh import fresh_first_call
+from _hlo import program_sizes
 from _protocols import SEED_MODEL
 from _shapes import QWEN25_05B, SMOLLM2_135M, eqrope_config
 from _timing import add_output_arguments, log, machine_info, results_folder, write_json
@@ -54,14 +60,25 @@ def first_calls(config: dict, prompt: int, new: int, repeats: int, warm: bool) -
     out = {}
     for name, records in runs.items():
         if records:
-            out[name] = {**summary(records), "cpu": summary(records, "first_cpu_s"),
+            stages = {k: statistics.median(r[k] for r in records) for k in ("trace_s", "lower_s", "compile_s")}
+            out[name] = {**summary(records), "cpu": summary(records, "first_cpu_s"), "stages": stages,
                          "cache_hits": records[-1]["cache_hits"],
                          "cache_misses": records[-1]["cache_misses"]}
     out["ratio_cold"] = out["eqrope_cold"]["median_s"] / out["floor_cold"]["median_s"]
     out["ratio_cold_cpu"] = out["eqrope_cold"]["cpu"]["median_s"] / out["floor_cold"]["cpu"]["median_s"]
     tokens = {name: records[-1]["tokens"] for name, records in runs.items() if records}
     out["tokens_equal"] = all(t == tokens["floor_cold"] for t in tokens.values())
+    out["program"] = {who: program_of({**job, "who": who}) for who in ("eqrope", "floor")}
+    out["program"]["thunk_ratio"] = out["program"]["eqrope"]["thunks"] / out["program"]["floor"]["thunks"]
     return out
+
+
+def program_of(job: dict) -> dict:
+    """What the job's compiled program holds (`_hlo.program_sizes`), from a fresh process
+    that writes its optimised HLO out (not timed)."""
+    with tempfile.TemporaryDirectory(prefix="eqrope_hlo_") as folder:
+        fresh_first_call({**job, "dump_dir": folder})
+        return program_sizes(pathlib.Path(folder))
 
 
 def first_token(config: dict, prompt: int, repeats: int) -> dict:
