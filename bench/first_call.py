@@ -119,6 +119,35 @@ def targets(result: dict) -> list[dict]:
     return [{"target": t, "goal": g, "measured": m, "met": m <= bound} for t, g, m, bound in rows]
 
 
+def readme_table(result: dict) -> str:
+    """The README's table of a run: each first call beside the floor's, with the compile's
+    stages and each program's thunks (`_hlo.py`), then the targets."""
+    rows = ["| case | eqrope | floor | ratio | trace + lower + XLA, eqrope (floor) | thunks, eqrope (floor) |",
+            "|---|---:|---:|---:|---|---:|"]
+    names = {"seed": "seed protocol, cold", "smollm2_135m": "SmolLM2-135M shape, cold",
+             "qwen25_05b": "Qwen2.5-0.5B shape, cold"}
+    for key, label in names.items():
+        if key not in result:
+            continue
+        r = result[key]
+        e, f = r["eqrope_cold"], r["floor_cold"]
+        stages = lambda side: "{trace_s:.2f} + {lower_s:.2f} + {compile_s:.2f} s".format(**side["stages"])  # noqa: E731
+        rows.append(
+            f"| {label} | {e['median_s']:.2f} s | {f['median_s']:.2f} s | {r['ratio_cold']:.2f}× | "
+            f"{stages(e)} ({stages(f)}) | {r['program']['eqrope']['thunks']} ({r['program']['floor']['thunks']}) |"
+        )
+    if "seed" in result:
+        rows.append(f"| seed protocol, warm persistent cache | {result['seed']['eqrope_warm']['median_s']:.2f} s | | | | |")
+    if "first_token" in result:
+        t = result["first_token"]
+        rows.append(f"| first token, SmolLM2-135M shape, compiled | {t['eqrope']['median_s'] * 1e3:.1f} ms | "
+                    f"{t['floor_prefill']['median_s'] * 1e3:.1f} ms | {t['ratio']:.2f}× | | |")
+    rows += ["", "| target | goal | measured | |", "|---|---|---:|---|"]
+    rows += [f"| {t['target']} | {t['goal']} | {t['measured']:.2f} | {'met' if t['met'] else 'open'} |"
+             for t in result["targets"]]
+    return "\n".join(rows)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -154,9 +183,7 @@ def main(argv=None) -> dict:
     out = args.out if args.out is not None else results_folder(args.save)
     out.mkdir(parents=True, exist_ok=True)
     path = write_json(out / ("first_call_cpu.json" if args.save else "first_call.json"), result)
-    for t in result["targets"]:
-        word = "met" if t["met"] else "open (not yet met)"
-        print(f"  {t['target']}: {t['measured']:.3f} (goal {t['goal']}) {word}")
+    print(readme_table(result))
     print(f"wrote {path}")
     return result
 
