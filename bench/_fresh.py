@@ -10,15 +10,20 @@ seconds over it, and the JAX persistent-cache hits and misses. A job is a dict:
 - `prompt`, `new`: the prompt length (tokens `0, 1, ...`) and the new tokens, greedy;
 - `cache_dir`: a directory for JAX's persistent compilation cache
   (`eqrope.use_compilation_cache`), or `None` for none;
+- `dump_dir`: a directory where XLA writes the optimised HLO of every program the
+  process compiles (`--xla_dump_to`; `_hlo.program_sizes` reads it), or `None`;
 - `prefill_only`: time the first token only (eqrope with `max_new=1`; the floor's
   one-pass prefill), after a compiled warm-up, for the time to the first token; both
   hold the whole job's cache (`prompt + new` rows, rounded as `generate` rounds).
 
 The model is built and placed before the clock starts, so the time is the first call
-alone, as a script pays it after loading a checkpoint.
+alone, as a script pays it after loading a checkpoint. The record splits the first call's
+compile into JAX's stages, from `jax.monitoring`'s durations: `trace_s` (Python tracing to
+a jaxpr), `lower_s` (to StableHLO) and `compile_s` (XLA).
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -28,9 +33,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def fresh_first_call(job: dict, timeout: float = 1800) -> dict:
     """Run `job` in a fresh process (this file as a script) and return its record."""
+    env = dict(os.environ)
+    if job.get("dump_dir"):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={job['dump_dir']} --xla_dump_hlo_as_text".strip()
     done = subprocess.run(
         [sys.executable, str(HERE / "_fresh.py"), json.dumps(job)],
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True, text=True, timeout=timeout, check=False, env=env,
     )
     if done.returncode != 0:
         raise RuntimeError(f"fresh process for {job['who']} failed:\n{done.stderr[-3000:]}")
@@ -52,8 +60,11 @@ def _child(job: dict) -> dict:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
-    seen = collections.Counter()
+    seen, spent = collections.Counter(), collections.Counter()
     jax.monitoring.register_event_listener(lambda name, **kw: seen.update([name.split("/")[-1]]))
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: spent.update({name.split("/")[-1]: secs})
+    )
     if job.get("cache_dir"):
         eqrope.use_compilation_cache(job["cache_dir"])
     config = eqrope.DecoderConfig.from_dict(job["config"])
@@ -78,10 +89,13 @@ def _child(job: dict) -> dict:
     jax.block_until_ready((held, prompt))
     jax.jit(lambda x: x + 1)(1.0).block_until_ready()  # JAX's own first-use costs
     seen.clear()
+    spent.clear()
     wall, c = time.perf_counter(), cpu()
     tokens = run()
     record = {"first_s": time.perf_counter() - wall, "first_cpu_s": cpu() - c,
-              "cache_hits": seen["cache_hits"], "cache_misses": seen["cache_misses"]}
+              "cache_hits": seen["cache_hits"], "cache_misses": seen["cache_misses"],
+              "trace_s": spent["jaxpr_trace_duration"], "lower_s": spent["jaxpr_to_mlir_module_duration"],
+              "compile_s": spent["backend_compile_duration"]}
     if job.get("prefill_only"):
         times = []
         for _ in range(job.get("repeats", 5)):

@@ -17,17 +17,23 @@ machine. Rows:
   `max_new=1` against the floor's one-pass prefill, both compiled, medians of repeats.
 
 Every figure is a median with its min and max over the repeats; the CPU seconds of each
-first call are beside its wall time (they move less when the machine is shared).
+first call are beside its wall time (they move less when the machine is shared), and its
+compile split into JAX's stages (`stages`: tracing, lowering, XLA; medians). `program`
+gives each side's compiled program by what it holds (`_hlo.py`: HLO instructions, fusions
+and the thunks XLA:CPU generates code for), from one more fresh process per side that
+has XLA write its optimised HLO out; counts do not move with the machine's load.
 """
 
 import argparse
 import os
+import pathlib
 import statistics
 import tempfile
 import time
 
 import eqrope
 from _fresh import fresh_first_call
+from _hlo import program_sizes
 from _protocols import SEED_MODEL
 from _shapes import QWEN25_05B, SMOLLM2_135M, eqrope_config
 from _timing import add_output_arguments, log, machine_info, results_folder, write_json
@@ -54,14 +60,25 @@ def first_calls(config: dict, prompt: int, new: int, repeats: int, warm: bool) -
     out = {}
     for name, records in runs.items():
         if records:
-            out[name] = {**summary(records), "cpu": summary(records, "first_cpu_s"),
+            stages = {k: statistics.median(r[k] for r in records) for k in ("trace_s", "lower_s", "compile_s")}
+            out[name] = {**summary(records), "cpu": summary(records, "first_cpu_s"), "stages": stages,
                          "cache_hits": records[-1]["cache_hits"],
                          "cache_misses": records[-1]["cache_misses"]}
     out["ratio_cold"] = out["eqrope_cold"]["median_s"] / out["floor_cold"]["median_s"]
     out["ratio_cold_cpu"] = out["eqrope_cold"]["cpu"]["median_s"] / out["floor_cold"]["cpu"]["median_s"]
     tokens = {name: records[-1]["tokens"] for name, records in runs.items() if records}
     out["tokens_equal"] = all(t == tokens["floor_cold"] for t in tokens.values())
+    out["program"] = {who: program_of({**job, "who": who}) for who in ("eqrope", "floor")}
+    out["program"]["thunk_ratio"] = out["program"]["eqrope"]["thunks"] / out["program"]["floor"]["thunks"]
     return out
+
+
+def program_of(job: dict) -> dict:
+    """What the job's compiled program holds (`_hlo.program_sizes`), from a fresh process
+    that writes its optimised HLO out (not timed)."""
+    with tempfile.TemporaryDirectory(prefix="eqrope_hlo_") as folder:
+        fresh_first_call({**job, "dump_dir": folder})
+        return program_sizes(pathlib.Path(folder))
 
 
 def first_token(config: dict, prompt: int, repeats: int) -> dict:
@@ -102,6 +119,35 @@ def targets(result: dict) -> list[dict]:
     return [{"target": t, "goal": g, "measured": m, "met": m <= bound} for t, g, m, bound in rows]
 
 
+def readme_table(result: dict) -> str:
+    """The README's table of a run: each first call beside the floor's, with the compile's
+    stages and each program's thunks (`_hlo.py`), then the targets."""
+    rows = ["| case | eqrope | floor | ratio | trace + lower + XLA, eqrope (floor) | thunks, eqrope (floor) |",
+            "|---|---:|---:|---:|---|---:|"]
+    names = {"seed": "seed protocol, cold", "smollm2_135m": "SmolLM2-135M shape, cold",
+             "qwen25_05b": "Qwen2.5-0.5B shape, cold"}
+    for key, label in names.items():
+        if key not in result:
+            continue
+        r = result[key]
+        e, f = r["eqrope_cold"], r["floor_cold"]
+        stages = lambda side: "{trace_s:.2f} + {lower_s:.2f} + {compile_s:.2f} s".format(**side["stages"])  # noqa: E731
+        rows.append(
+            f"| {label} | {e['median_s']:.2f} s | {f['median_s']:.2f} s | {r['ratio_cold']:.2f}× | "
+            f"{stages(e)} ({stages(f)}) | {r['program']['eqrope']['thunks']} ({r['program']['floor']['thunks']}) |"
+        )
+    if "seed" in result:
+        rows.append(f"| seed protocol, warm persistent cache | {result['seed']['eqrope_warm']['median_s']:.2f} s | | | | |")
+    if "first_token" in result:
+        t = result["first_token"]
+        rows.append(f"| first token, SmolLM2-135M shape, compiled | {t['eqrope']['median_s'] * 1e3:.1f} ms | "
+                    f"{t['floor_prefill']['median_s'] * 1e3:.1f} ms | {t['ratio']:.2f}× | | |")
+    rows += ["", "| target | goal | measured | |", "|---|---|---:|---|"]
+    rows += [f"| {t['target']} | {t['goal']} | {t['measured']:.2f} | {'met' if t['met'] else 'open'} |"
+             for t in result["targets"]]
+    return "\n".join(rows)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -137,9 +183,7 @@ def main(argv=None) -> dict:
     out = args.out if args.out is not None else results_folder(args.save)
     out.mkdir(parents=True, exist_ok=True)
     path = write_json(out / ("first_call_cpu.json" if args.save else "first_call.json"), result)
-    for t in result["targets"]:
-        word = "met" if t["met"] else "open (not yet met)"
-        print(f"  {t['target']}: {t['measured']:.3f} (goal {t['goal']}) {word}")
+    print(readme_table(result))
     print(f"wrote {path}")
     return result
 

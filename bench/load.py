@@ -30,6 +30,11 @@ a checkpoint's in one):
    copy inside every call; the default layout is read in place (docs/kv_cache.md). The
    first call's wall time is recorded too (`first_call_s`, compile included).
 
+4. `long`: the SmolLM2-135M shape in bfloat16 built for 131072 positions (its
+   `max_position_embeddings`), loaded with `from_hf` and a first `generate` call of 16
+   tokens after 8, in a fresh process (`bench/_memory.py`): the peak RSS from before the
+   load to the end of that call (compile included), as a ratio of the weights' bytes.
+
 Writes `load.json` to `--out` (default `bench/results/latest/`, ignored by git) or, with
 `--save`, `bench/results/load_cpu.json`, with the machine (platform, CPUs, load averages
 at start and end) and versions (python, jax, equinox, numpy, safetensors), and prints a
@@ -55,7 +60,7 @@ import safetensors.numpy
 
 import eqrope
 from _long_cache import _reset_peak
-from _memory import _status_nbytes
+from _memory import _status_nbytes, peak_growth
 from _roofline import weight_nbytes
 from _report import fmt, target, timing_head, timing_row, verdict
 from _timing import add_output_arguments, log, machine_info, results_folder, time_calls, without_result, write_json
@@ -79,7 +84,8 @@ COMMON = dict(tie_embeddings=True, head_bias=False)
 QUICK = dict(vocab_size=512, n_blocks=2, d_ff=64, max_len=64)
 TINY = dict(vocab_size=64, n_blocks=1, d_ff=32, max_len=16)  # the children's warm-up
 MODES = {"default": dict(repeats=3, quick=False), "quick": dict(repeats=1, quick=True)}
-MEMORY_LIMIT, TIME_LIMIT, CALL_LIMIT = 1.3, 1.5, 0.1
+MEMORY_LIMIT, TIME_LIMIT, CALL_LIMIT, LONG_LIMIT = 1.3, 1.5, 0.1, 2.0
+LONG_POSITIONS, LONG_PROMPT, LONG_NEW = 131072, 8, 16  # the long section's model and job
 CALLS, PROMPT, NEW = 3, 8, 4  # the generate section: calls after the compiling one, tokens
 METHOD = (
     "each figure from a fresh Python process. memory: a tiny checkpoint of the same kind "
@@ -248,6 +254,16 @@ def measure(name: str, cfg: dict, root: pathlib.Path) -> dict:
     }  # fmt: skip
 
 
+def long_positions(cfg: dict, root: pathlib.Path) -> dict:
+    """Section 4 (see the docstring): loading and a first short job of a model built for
+    `LONG_POSITIONS` positions, in a fresh process."""
+    fields = {**config_of("smollm2_135m", QUICK if cfg["quick"] else None), "max_len": LONG_POSITIONS}
+    path = root / "smollm2_135m_long"
+    eqrope.to_hf(random_model(fields), path)
+    log(f"  smollm2_135m at max_len {LONG_POSITIONS}: load and {LONG_NEW} tokens (load {os.getloadavg()[0]:.1f})")
+    return peak_growth(path, LONG_PROMPT, LONG_NEW)
+
+
 def targets(result: dict) -> list[dict]:
     smol, qwen = result["checkpoints"]["smollm2_135m"], result["checkpoints"]["qwen2.5_0.5b"]
     out = [target(f"from_hf peak RSS growth / file bytes, SmolLM2-135M bf16, {layout}",
@@ -260,6 +276,9 @@ def targets(result: dict) -> list[dict]:
                    f"<= {CALL_LIMIT}", c["generate"]["default"]["ratio"],
                    c["generate"]["default"]["ratio"] <= CALL_LIMIT)
             for name, c in result["checkpoints"].items()]  # fmt: skip
+    long = result["long"]["load_and_first_over_weights"]
+    out.append(target(f"from_hf + first 16-token generate, peak RSS / weights, bf16 max_len {LONG_POSITIONS}",
+                      f"<= {LONG_LIMIT}", long, long <= LONG_LIMIT))
     return out
 
 
@@ -280,6 +299,11 @@ def table(result: dict) -> str:
         lines += ["", f"  {'later generate call, peak RSS':<32}{'MiB':>9}{'x weights':>10}{'first s':>9}"]
         lines += [f"  {k + ' (' + r['layout'] + ')':<32}{r['growth_nbytes'] / 2**20:>9.1f}{r['ratio']:>10.3f}"
                   f"{r['first_call_s']:>9.2f}" for k, r in c["generate"].items()]  # fmt: skip
+    long = result["long"]
+    lines += ["", f"bfloat16 SmolLM2-135M shape at max_len {long['max_len']}: from_hf and a first "
+              f"{long['new_tokens']}-token generate peak at {long['load_and_first_over_weights']:.2f}x "
+              f"the weights (load {long['load']['growth_nbytes'] / 2**20:.0f} MiB, first call "
+              f"{long['first_call']['growth_nbytes'] / 2**20:.0f} MiB, weights {long['weights_nbytes'] / 2**20:.0f} MiB)"]
     lines += ["", "targets:"]
     lines += [f"  {x['name']:<62}{x['target']:>8}{fmt(x['measured']):>9}  {verdict(x['met'])}"
               for x in result["targets"]]  # fmt: skip
@@ -306,6 +330,8 @@ def main(argv=None) -> dict:
             result["checkpoints"][name] = measure(name, cfg, pathlib.Path(tmp))
             for leftover in pathlib.Path(tmp).iterdir():  # free the disk before the next
                 shutil.rmtree(leftover)
+        log(f"[{mode}] long positions ({time.perf_counter() - start:.0f} s)")
+        result["long"] = long_positions(cfg, pathlib.Path(tmp))
     result["loadavg"]["end"] = list(os.getloadavg())
     result["targets"] = targets(result)
     result["wall_s"] = time.perf_counter() - start

@@ -70,8 +70,10 @@ def test_real_shapes_tiny(tmp_path, script):
     assert memory["first_call"]["tokens_len"] == memory["prompt_len"] + memory["new_tokens"]
     assert memory["first_call"]["peak_reset"]
     assert close(memory["growth_over_weights"], memory["growth_nbytes"] / memory["weights_nbytes"])
+    load_and_first = memory["first_call"]["peak_after_nbytes"] - memory["load"]["rss_before_nbytes"]
+    assert close(memory["load_and_first_over_weights"], load_and_first / memory["weights_nbytes"])
 
-    assert len(result["targets"]) == 3 * len(shapes.SHAPES) + 1
+    assert len(result["targets"]) == 3 * len(shapes.SHAPES) + 2  # and the two memory targets
     for t in result["targets"]:
         assert set(t) == {"target", "goal", "measured", "unit", "met"}
         if "peak RSS" in t["target"]:  # at most the goal

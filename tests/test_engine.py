@@ -332,3 +332,25 @@ def test_no_compiles_across_a_thousand_mixed_requests(engine, mixed):
         out = engine.generate(ps, configs, keys=[jax.random.key(i) for i in range(1000)])
     assert sum(c.compiles.values()) == 0, dict(c.compiles)
     assert len(out) == 1000 and all(len(o) == 3 for o in out[4::5])
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("partitionable", [True, False])
+def test_sample_keys_are_generates_splits_with_one_program(impl, partitionable):
+    """Sample `j` of `num_samples=n` gets `jax.random.split(key, n)[j]`, as `generate` gives
+    it, for every `n` up to a shard's slots; under JAX's default partitionable threefry every
+    `n` shares one compiled split (the engine's warmup compiled one per `n` before)."""
+    from eqrope.serving._settings import sample_keys
+
+    key = jax.random.key(5, impl=impl)
+    with jax.threefry_partitionable(partitionable):
+        want = {n: np.asarray(jax.random.key_data(jax.random.split(key, n))) for n in range(2, 9)}
+        sample_keys(key, 2, 8)
+        with counting() as c:
+            got = {n: np.stack(sample_keys(key, n, 8)) for n in range(2, 9)}
+        one = sample_keys(key, None, 8)
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n])
+    np.testing.assert_array_equal(one[0], np.asarray(jax.random.key_data(key)))
+    if partitionable and impl == "threefry2x32":
+        assert sum(c.compiles.values()) == 0, dict(c.compiles)

@@ -98,16 +98,17 @@ class CausalSelfAttention(eqx.Module):
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         nq, nkv, hd = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.head_dim
-        q = qkv[:, :nq].reshape(seq, self.n_heads, hd)
-        k = qkv[:, nq : nq + nkv].reshape(seq, self.n_kv_heads, hd)
         v = qkv[:, nq + nkv :].reshape(seq, self.n_kv_heads, hd)
+        # Queries and keys side by side, one head axis: rotated in one pass (the rotation
+        # is per head, so this is the two rotations, with half the program).
+        qk = qkv[:, : nq + nkv].reshape(seq, self.n_heads + self.n_kv_heads, hd)
         if self.q_norm is not None:
-            q, k = norm_heads(self.q_norm, q), norm_heads(self.k_norm, k)
+            q, k = jnp.split(qk, [self.n_heads], axis=1)
+            qk = jnp.concatenate([norm_heads(self.q_norm, q), norm_heads(self.k_norm, k)], axis=1)
         if self.rope:
             inv_freq = rope_inv_freq(hd, self.rope_base, self.rope_scaling)
-            scale = rope_attention_factor(self.rope_scaling)
-            q = apply_rope(q, positions, inv_freq, scale)
-            k = apply_rope(k, positions, inv_freq, scale)
+            qk = apply_rope(qk, positions, inv_freq, rope_attention_factor(self.rope_scaling))
+        q, k = jnp.split(qk, [self.n_heads], axis=1)
         return q, k, v
 
     def __call__(

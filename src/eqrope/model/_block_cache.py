@@ -6,11 +6,13 @@ table. Attention reads the rows it needs through `rows` and nothing else, so it 
 either cache the same way.
 """
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, Int8
 
 
@@ -60,17 +62,18 @@ class BlockCache(eqx.Module):
         if self.table is not None:
             return self._paged_rows(start, size)
         kv_heads, _, head_dim = self.keys.shape[-3:]
-        zero = jnp.zeros((), jnp.int32)
+        zero = np.int32(0)  # static indices, and `start >= 0`: no traced bounds arithmetic
         start = jnp.asarray(start, jnp.int32)
+        at = functools.partial(jax.lax.dynamic_slice, allow_negative_indices=False)
 
         def take(x, scales):
             if self.index is None:  # a per-block buffer, read in place
-                x = jax.lax.dynamic_slice(x, (zero, start, zero), (kv_heads, size, head_dim))
-                s = None if scales is None else jax.lax.dynamic_slice(scales, (zero, start), (kv_heads, size))
+                x = at(x, (zero, start, zero), (kv_heads, size, head_dim))
+                s = None if scales is None else at(scales, (zero, start), (kv_heads, size))
             else:
                 block = jnp.asarray(self.index, jnp.int32)
-                x = jax.lax.dynamic_slice(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
-                s = None if scales is None else jax.lax.dynamic_slice(scales, (block, zero, start), (1, kv_heads, size))[0]
+                x = at(x, (block, zero, start, zero), (1, kv_heads, size, head_dim))[0]
+                s = None if scales is None else at(scales, (block, zero, start), (1, kv_heads, size))[0]
             if s is None:
                 return x
             return x.astype(jnp.float32) * s[..., None]

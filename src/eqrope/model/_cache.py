@@ -201,13 +201,16 @@ class KVCache(eqx.Module):
         """A per-block cache with rows `pos .. pos + seq - 1` of block `index` (a Python
         int) replaced, in that block's own buffers. `filled` is raised by `write` once
         every block is written (`advance`)."""
-        zero = jnp.zeros((), jnp.int32)
+        zero = np.int32(0)  # a static index: no traced bounds arithmetic (int32 under x64 too)
         pos = jnp.asarray(pos).astype(jnp.int32)
 
         def put(buffers, rows):  # rows go to axis 1, `max_len`, of the block's buffer
             buffer = buffers[index]
             start = (zero, pos) + (zero,) * (buffer.ndim - 2)
-            new = jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
+            # `pos >= 0`: no wrapping of negative indices to trace.
+            new = jax.lax.dynamic_update_slice(
+                buffer, rows.astype(buffer.dtype), start, allow_negative_indices=False
+            )
             return buffers[:index] + (new,) + buffers[index + 1 :]
 
         if not self.quantized:
@@ -233,12 +236,14 @@ class KVCache(eqx.Module):
             for i in range(len(self.keys)):
                 cache = cache.write_block(i, keys[i], values[i], pos)
             return cache.advance(pos, keys.shape[-2])
-        zero = jnp.zeros((), jnp.int32)
+        zero = np.int32(0)
         pos = jnp.asarray(pos).astype(jnp.int32)
 
         def put(buffer, rows):  # rows go to axis 2, `max_len`, of every array
             start = (zero, zero, pos) + (zero,) * (buffer.ndim - 3)
-            return jax.lax.dynamic_update_slice(buffer, rows.astype(buffer.dtype), start)
+            return jax.lax.dynamic_update_slice(
+                buffer, rows.astype(buffer.dtype), start, allow_negative_indices=False
+            )
 
         filled = self.filled
         if filled is not None:

@@ -189,7 +189,7 @@ class Engine:
         request_id = next(self._ids)
         key = jax.random.key(request_id) if key is None else key
         request = Request(
-            request_id, prompt, config, sampling, config.max_new, sample_keys(key, samples),
+            request_id, prompt, config, sampling, config.max_new, sample_keys(key, samples, self.slots // self.shards),
             page_hashes(prompt.tolist(), self.page_size), constraint=constraint,
         )  # fmt: skip
         worst, room = self.scheduler.worst_case(request), self.scheduler.pools[0].n_pages - 1
@@ -266,8 +266,8 @@ class Engine:
         idle engine, writing nothing any request reads. **Returns:** how many programs ran."""
         if self.has_work():
             raise RuntimeError("warm up an idle engine, before the first submit.")
-        for samples in (None, *range(2, self.slots + 1)):
-            sample_keys(jax.random.key(0), samples)
+        for samples in (None, *range(2, self.slots // self.shards + 1)):  # one split by default
+            sample_keys(jax.random.key(0), samples, self.slots // self.shards)
         shapes = [(self.shards * rows, size) for rows in self.prefill_buckets for size in self.prefill_sizes]
         decode = [decode_slots(self.scheduler.slots, [[]] * self.shards, n) for n in self.decode_buckets]
         return self.runner.warmup(shapes, decode, self._idle, self.check_finite)

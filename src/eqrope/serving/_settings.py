@@ -112,12 +112,24 @@ def idle_sampling(vocab: int, caps: Capacities) -> Sampling:
     return request_sampling(GenerationConfig(max_new=1), vocab, caps)
 
 
-def sample_keys(key, samples: int | None) -> list[np.ndarray]:
+def sample_keys(key, samples: int | None, most: int) -> list[np.ndarray]:
     """Each sample's key data, as `generate` derives it for a 1-D prompt: the key itself,
-    or `jax.random.split(key, n)[j]` for sample `j` of `num_samples=n`."""
+    or `jax.random.split(key, n)[j]` for sample `j` of `num_samples=n` (`n <= most`).
+
+    With JAX's partitionable threefry (its default), `split(key, n)[j]` does not depend on
+    `n`, so every `n` takes the first `n` keys of one `split(key, most)`: one compiled split
+    for every sample count, not one per count. Other key kinds split with `n` itself.
+    """
     key = check_key(key)
-    keys = [key] if samples is None else list(jax.random.split(key, samples))
-    return [np.asarray(jax.random.key_data(k), np.uint32) for k in keys]
+    if samples is None:
+        return [np.asarray(jax.random.key_data(key), np.uint32)]
+    keys = jax.random.split(key, most if _split_is_prefix(key) else samples)
+    return list(np.asarray(jax.random.key_data(keys), np.uint32)[:samples])  # sliced on the host
+
+
+def _split_is_prefix(key) -> bool:
+    """Whether `split(key, n)` is the first `n` keys of `split(key, m)` for `m >= n`."""
+    return bool(jax.config.jax_threefry_partitionable) and str(jax.random.key_impl(key)) == "threefry2x32"
 
 
 def request_config(prompt, config, settings: dict, vocab: int, max_len: int) -> tuple[np.ndarray, GenerationConfig]:
