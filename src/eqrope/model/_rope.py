@@ -153,7 +153,11 @@ def apply_rope(
     sin = jnp.sin(angles)[:, None, :]
     if scale != 1.0:
         cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    rotated = jnp.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), axis=-1)
+    # Each pair `(x1, x2)` becomes `(x1, x2) cos + (-x2, x1) sin`, the same sums as
+    # `(x1 cos - x2 sin, x1 sin + x2 cos)`, bitwise, but elementwise over `x` with a reversal
+    # of each pair: no stacking of two halves, which XLA wrote out in a kernel of its own
+    # where the rotated rows have two readers (queries and keys rotated in one pass).
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    swapped = pairs[..., ::-1] * jnp.asarray([-1, 1], jnp.float32)
+    rotated = pairs * cos[..., None] + swapped * sin[..., None]
     return rotated.reshape(x.shape).astype(x.dtype)
