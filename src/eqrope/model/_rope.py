@@ -153,10 +153,11 @@ def apply_rope(
     sin = jnp.sin(angles)[:, None, :]
     if scale != 1.0:
         cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
-    # Each pair `(x1, x2)` becomes `(x1, x2) cos + (-x2, x1) sin`, the same sums as
-    # `(x1 cos - x2 sin, x1 sin + x2 cos)`, bitwise, but elementwise over `x` with a reversal
-    # of each pair: no stacking of two halves, which XLA wrote out in a kernel of its own
-    # where the rotated rows have two readers (queries and keys rotated in one pass).
+    # Each pair `(x1, x2)` becomes `(x1, x2) cos + (-x2, x1) sin`: the same sums as
+    # `(x1 cos - x2 sin, x1 sin + x2 cos)` (bitwise, for the same cosines and sines), but
+    # elementwise over `x` with a reversal of each pair, and no stacking of two halves,
+    # which XLA wrote out in a kernel of its own where the rotated rows have two readers
+    # (queries and keys, rotated in one pass).
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     swapped = pairs[..., ::-1] * jnp.asarray([-1, 1], jnp.float32)
     rotated = pairs * cos[..., None] + swapped * sin[..., None]
