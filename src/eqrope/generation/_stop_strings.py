@@ -19,9 +19,11 @@ For each stop string `s` of `m` bytes and each token `t`, the table holds:
 Walking back from the last token, a match adds each earlier token's length while it fits,
 and is complete once it reaches `m`. Only tokens that can take part in a match are kept
 (sorted ids, found with a binary search), so the table's size follows the stop strings,
-not the vocabulary. Every size is a power of two with a floor (`MIN_SHAPE`): no stop
-strings, or up to four strings of up to 16 bytes over up to 256 tokens, run one compiled
-program; the strings themselves are traced values.
+not the vocabulary. Every size is a power of two with a floor (`MIN_SHAPE`): up to four
+strings of up to 16 bytes over up to 256 tokens run one compiled program; the strings
+themselves are traced values. No stop strings is a table of no strings (`NO_TEXT_STOPS`),
+whose program holds no matching at all (a call that then passes strings compiles once
+more).
 """
 
 import weakref
@@ -113,7 +115,19 @@ def text_stops(
     return table
 
 
-NO_TEXT_STOPS = text_stops([], [])
+def no_text_stops(width: int = 1) -> TextStops:
+    """The table of no stop strings: no tokens and no strings, so that a program given it
+    holds no matching (`holds_text_stops`)."""
+    return TextStops(
+        ids=np.zeros((0,), np.int32),
+        length=np.zeros((0,), np.int32),
+        at=np.zeros((0, 0, width), np.bool_),
+        ends=np.zeros((0, 0, width + 1), np.bool_),
+        target=np.zeros((0,), np.int32),
+    )
+
+
+NO_TEXT_STOPS = no_text_stops()
 # The engine's slots: no stop strings, at the smallest shape (each decode call stacks them).
 NO_TEXT_STOPS_TINY = text_stops([], [], floor=(1, 1, 1))
 
@@ -159,6 +173,12 @@ def host_ends_with_text(text: Sequence[int], table: TextStops) -> bool:
 
 
 _ends_with_text = jax.jit(ends_with_text)
+
+
+def holds_text_stops(table: TextStops) -> bool:
+    """Whether a table can hold a stop string at all: a static fact (its shape); a table
+    of no strings (`NO_TEXT_STOPS`) is matched nowhere."""
+    return np.shape(table.target)[-1] > 0
 
 
 def text_stops_on(table: TextStops) -> Bool[Array, "*rows"]:
