@@ -172,11 +172,13 @@ def model_logprob(
     return logprob_of(own, token)
 
 
-def logprob_of(logits: Float[Array, " vocab"], token: Int[Array, ""]) -> Float[Array, ""]:
+def logprob_of(
+    logits: Float[Array, " vocab"], token: Int[Array, ""], top: Float[Array, ""] | None = None
+) -> Float[Array, ""]:
     """`jax.nn.log_softmax(logits)[token]`, bit for bit, without the vector: the token's
     shifted logit less the log of the shifted sum (one reduction instead of a vocabulary of
-    log-probabilities, of which one entry is read)."""
-    top = jax.lax.stop_gradient(jnp.max(logits))
+    log-probabilities, of which one entry is read). `top`: `max(logits)`, when known."""
+    top = jax.lax.stop_gradient(jnp.max(logits) if top is None else top)
     return (logits[token] - top) - jnp.log(jnp.sum(jnp.exp(logits - top)))
 
 
@@ -193,15 +195,15 @@ def sample_token(
     **Returns:** `(token, logprob)`, `logprob` the token's log-probability under the
     distribution it was chosen from (see `draw`).
     """
-    token, chosen_from = pick(logits.astype(jnp.float32), key, position, sampling, sorts)
-    return token, logprob_of(chosen_from, token)
+    token, chosen_from, top = pick(logits.astype(jnp.float32), key, position, sampling, sorts)
+    return token, logprob_of(chosen_from, token, top)
 
 
 def draw(*args) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
     """The token at `position` from float32 (processed) logits, `pick`'s arguments, and
     the log-probabilities of the distribution it was chosen from (the speculative
     programs read them all; `sample_token` reads the token's alone)."""
-    token, chosen_from = pick(*args)
+    token, chosen_from, _ = pick(*args)
     return token, jax.nn.log_softmax(chosen_from)
 
 
@@ -211,11 +213,11 @@ def pick(
     position: Int[Array, ""],
     sampling: Sampling,
     sorts: Bool[ArrayLike, ""] | None = None,
-) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
-    """The token at `position` from float32 (processed) logits, and the logits of the
-    distribution it was chosen from.
+) -> tuple[Int[Array, ""], Float[Array, " vocab"], Float[Array, ""]]:
+    """The token at `position` from float32 (processed) logits, the logits of the
+    distribution it was chosen from, and their largest.
 
-    Greedy: the argmax, and `logits`. Sampling: the logits are divided by
+    Greedy: the argmax, `logits`, and the argmax's logit. Sampling: the logits are divided by
     the temperature and truncated with top-k, top-p and min-p
     (`eqrope.generation._processors.truncate`), and the token is drawn from them with
     `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
@@ -227,13 +229,14 @@ def pick(
     temperature = jnp.asarray(sampling.temperature)
 
     def greedy(_):
-        return jnp.argmax(logits).astype(jnp.int32), logits
+        token = jnp.argmax(logits).astype(jnp.int32)
+        return token, logits, logits[token]
 
     def sample(_):
         scaled = logits / temperature.astype(jnp.float32)
-        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
+        filtered, top = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
         token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
-        return token.astype(jnp.int32), filtered
+        return token.astype(jnp.int32), filtered, top
 
     if sorts is None:
         # A real branch, not a select: greedy decoding skips the sort and the random draw.

@@ -87,8 +87,8 @@ def commit(
     batch, max_len = text.tokens.shape
     pos, rows = text.pos, jnp.arange(batch)
 
-    def write(buffer, value):
-        return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
+    def write(buffer, value):  # an inactive row's write falls outside the buffer: dropped
+        return buffer.at[rows, jnp.where(active, pos, max_len)].set(value, mode="drop")
 
     tokens = write(text.tokens, tok)
     if listener is not None:

@@ -231,13 +231,15 @@ class StopStrings:
         return f"StopStrings({list(self.strings)!r})"
 
 
-def text_table(stop, floor: tuple[int, int, int] = MIN_SHAPE) -> TextStops:
+def text_table(stop, floor: tuple[int, int, int] | None = None) -> TextStops:
     """The `TextStops` of the `StopStrings` entries of a checked `stop` list: one table for
-    all of them (they must share a tokenizer), or an empty one without any; each size at
-    least `floor` (the engine's slots hold one fixed shape)."""
+    all of them (they must share a tokenizer), each size at least `MIN_SHAPE`, and
+    `NO_TEXT_STOPS` without any; or, given a `floor` (the engine's slots hold one fixed
+    shape), each size at least `floor`, with or without strings."""
     given = [s for s in stop or () if isinstance(s, StopStrings)]
     if not given:
-        return NO_TEXT_STOPS if floor == MIN_SHAPE else text_stops([], [], floor)
+        return NO_TEXT_STOPS if floor is None else text_stops([], [], floor)
+    floor = MIN_SHAPE if floor is None else floor
     if len(given) == 1 and floor == MIN_SHAPE:
         return given[0].table
     if any(s.tokenizer is not given[0].tokenizer for s in given):
