@@ -71,25 +71,24 @@ def process_logits(
 ) -> Float[Array, " vocab"]:
     """The processors before the temperature: penalties, then `bad` and `min_new` masks.
 
-    Each runs in a `lax.cond` on the call's settings, whose predicate is the same for
+    They run in one `lax.cond` on the call's settings, whose predicate is the same for
     every row (so it stays a branch under `jax.vmap`): a call without penalties or masks
-    skips their work at every step, and no setting recompiles.
+    skips their work at every step, and no setting recompiles. A call with only one of
+    the two runs both: each processor with its neutral settings returns its input bit
+    for bit (see `_processors.py`).
     """
 
-    def penalized(logits):
-        return penalize(
+    def processed(logits):
+        logits = penalize(
             logits,
             history,
             sampling.repetition_penalty,
             sampling.presence_penalty,
             sampling.frequency_penalty,
         )
-
-    def masked(logits):
         return suppress(logits, n_new, sampling.bad, sampling.eos, sampling.min_new)
 
-    logits = jax.lax.cond(penalties_on(sampling), penalized, lambda x: x, logits)
-    return jax.lax.cond(masks_on(sampling), masked, lambda x: x, logits)
+    return jax.lax.cond(penalties_on(sampling) | masks_on(sampling), processed, lambda x: x, logits)
 
 
 def per_row(sampling: Sampling) -> bool:
