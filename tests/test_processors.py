@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from eqrope.generation._processors import History, penalize, suppress, truncate
-from eqrope.generation._sampling import Sampling, choose_rows, choose_token, process_logits, stack_rows
+from eqrope.generation._sampling import Sampling, choose_rows, choose_token, logprob_of, process_logits, stack_rows
 
 
 CASES = 240
@@ -260,3 +260,26 @@ def test_the_sort_has_a_branch_of_its_own_also_for_settings_per_row():
     for fn, sampling in ((shared, one), (choose_rows, each)):
         assert _conds_around_sort(jax.make_jaxpr(fn)(*args, sampling).jaxpr) == 2
     # That each row still chooses what it chooses alone: tests/test_per_row_settings.py.
+
+
+def test_the_token_logprob_is_log_softmax_entry_bit_for_bit():
+    """`logprob_of` reads one entry without the vector: the same bits as `jax.nn.log_softmax`'s
+    entry, with `-inf` logits among the others, and with the top given or found."""
+    logits, _, _ = cases(21)
+    logits[:40, :5] = -np.inf
+    tokens = np.random.default_rng(22).integers(5, VOCAB, CASES).astype(np.int32)
+    want = jax.jit(jax.vmap(lambda x, t: jax.nn.log_softmax(x)[t]))(logits, tokens)
+    found = jax.jit(jax.vmap(logprob_of))(logits, tokens)
+    given = jax.jit(jax.vmap(logprob_of))(logits, tokens, logits.max(axis=1))
+    for ours in (found, given):
+        np.testing.assert_array_equal(np.asarray(ours).view(np.int32), np.asarray(want).view(np.int32))
+
+
+def test_truncate_returns_the_top_logit_every_filter_keeps():
+    logits, _, _ = cases(23)
+    ks = np.random.default_rng(24).integers(1, VOCAB + 5, CASES).astype(np.int32)
+    ps = np.random.default_rng(25).uniform(0.05, 1.0, CASES).astype(np.float32)
+    mps = np.random.default_rng(26).uniform(0.0, 1.0, CASES).astype(np.float32)
+    kept, top = jax.jit(jax.vmap(truncate))(logits, ks, ps, mps)
+    np.testing.assert_array_equal(np.asarray(top), logits.max(axis=1))
+    np.testing.assert_array_equal(np.asarray(kept).max(axis=1), logits.max(axis=1))

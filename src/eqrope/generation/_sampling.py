@@ -178,7 +178,13 @@ def logprob_of(
     shifted logit less the log of the shifted sum (one reduction instead of a vocabulary of
     log-probabilities, of which one entry is read). `top`: `max(logits)`, when known."""
     top = jax.lax.stop_gradient(jnp.max(logits) if top is None else top)
-    return (logits[token] - top) - jnp.log(jnp.sum(jnp.exp(logits - top)))
+    return (entry(logits, token) - top) - jnp.log(jnp.sum(jnp.exp(logits - top)))
+
+
+def entry(logits: Float[Array, " vocab"], token: Int[Array, ""]) -> Float[Array, ""]:
+    """`logits[token]` for a token id (in range, never negative): one slice, without the
+    wrapping of negative indices that `[]` traces."""
+    return jax.lax.dynamic_index_in_dim(logits, token, keepdims=False, allow_negative_indices=False)
 
 
 def sample_token(
@@ -229,7 +235,7 @@ def pick(
 
     def greedy(_):
         token = jnp.argmax(logits).astype(jnp.int32)
-        return token, logits, logits[token]
+        return token, logits, entry(logits, token)
 
     def sample(_):
         scaled = logits / temperature.astype(jnp.float32)
