@@ -115,19 +115,15 @@ def text_stops(
     return table
 
 
-def no_text_stops(width: int = 1) -> TextStops:
-    """The table of no stop strings: no tokens and no strings, so that a program given it
-    holds no matching (`holds_text_stops`)."""
-    return TextStops(
-        ids=np.zeros((0,), np.int32),
-        length=np.zeros((0,), np.int32),
-        at=np.zeros((0, 0, width), np.bool_),
-        ends=np.zeros((0, 0, width + 1), np.bool_),
-        target=np.zeros((0,), np.int32),
-    )
-
-
-NO_TEXT_STOPS = no_text_stops()
+# No stop strings: no tokens and no strings, so that a program given it holds no
+# matching (`holds_text_stops`).
+NO_TEXT_STOPS = TextStops(
+    ids=np.zeros((0,), np.int32),
+    length=np.zeros((0,), np.int32),
+    at=np.zeros((0, 0, 1), np.bool_),
+    ends=np.zeros((0, 0, 2), np.bool_),
+    target=np.zeros((0,), np.int32),
+)
 # The engine's slots: no stop strings, at the smallest shape (each decode call stacks them).
 NO_TEXT_STOPS_TINY = text_stops([], [], floor=(1, 1, 1))
 

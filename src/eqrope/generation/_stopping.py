@@ -5,9 +5,9 @@ The table is `(n_stop, stop_len)`: each sequence right-aligned, padded on the le
 are at least `MIN_SHAPE` and powers of two, so that any list of up to four sequences of
 up to four tokens runs one compiled program, and larger lists one program per size
 bucket; the ids are traced values. No stop list is a bucket of its own, `(0, stop_len)`:
-its program holds no matching at all (a call that then passes a stop compiles once more). A text ends with a stop sequence
-when its last `stop_len` tokens (with `BEFORE` for positions before the text) match a
-row of the table.
+its program holds no matching at all (a call that then passes a stop compiles once
+more). A text ends with a stop sequence when its last `stop_len` tokens (with `BEFORE`
+for positions before the text) match a row of the table.
 """
 
 from collections.abc import Sequence
