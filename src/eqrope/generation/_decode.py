@@ -143,7 +143,7 @@ def decode_program(
     """
     keys = row_keys(key, buffer.shape[0], batched, samples)
     cache, logits, buffer, lengths, history = prepare(
-        model, buffer, lengths, chunk, samples, mesh, rules
+        model, buffer, lengths, chunk, samples, mesh, rules, differentiable
     )
     model, cache = for_decoding(model, cache)
     cache = constrain(cache, mesh, rules)
