@@ -47,14 +47,15 @@ def test_default_cache_length_by_hand(seq, max_new, model_max_len, expected):
 
 def test_long_max_len_model_asks_for_a_short_cache_and_runs_only_its_steps():
     """10 tokens after 8 on a 131072-position model: the program asks for 32 cache rows
-    and runs 10 model steps; the tokens equal those of the same weights at max_len 256."""
+    and runs 9 model steps (none after the last token); the tokens equal those of the same
+    weights at max_len 256."""
     big, small = make(131072), make(256)
     CACHE_ROWS.clear()
     EXECUTED.clear()
     out = eqrope.generate(CountingDecoder(big), prompt(8), 10)
     jax.effects_barrier()
     assert CACHE_ROWS == [32]  # one trace, one cache of 32 rows (not 131072)
-    assert [kind for kind, _ in EXECUTED].count("step") == 10
+    assert [kind for kind, _ in EXECUTED].count("step") == 10 - 1
     np.testing.assert_array_equal(np.asarray(out), np.asarray(eqrope.generate(small, prompt(8), 10)))
 
 

@@ -211,12 +211,15 @@ def test_next_states_equal_a_linear_search_of_the_exceptions():
 # -- compiles ----------------------------------------------------------------------------------
 
 
-def test_new_automata_within_the_capacity_compile_nothing(model, caplog, monkeypatch):
+def test_new_automata_within_the_capacity_compile_nothing(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="eqrope")
     # The line names what differs from the closest program compiled before: with no other
     # test's programs in the record, that is the unconstrained call just before.
     monkeypatch.setattr("eqrope.generation._compile_lines._SEEN", {})
-    ids = prompts(3, seed=5)  # a batch no other test runs: a new program, named by what is new
+    # A model of a width no other test uses (JAX's compiled programs are the worker's, and
+    # test_generate's model has this module's shape): its first call is a new program.
+    model = random_model(0, VOCAB, 32, 4, 2, MAX_LEN, n_kv_heads=2, d_ff=96)
+    ids = prompts(3, seed=5)
     eqrope.generate(model, ids, 6, eos_id=EOS)
     caplog.clear()
     eqrope.generate(model, ids, 6, eos_id=EOS, constraint=[from_outlines(index(REGEXES[0])), None, None])

@@ -279,6 +279,10 @@ def test_no_retrace_over_a_sweep_of_every_setting(model):
     sweep += [dict(stop=s) for s in (None, [[1]], [[1, 2], [3]], [[1, 2, 3, 4]] * 4)]
     sweep += [dict(pad_id=p) for p in (None, 5)]
     eqrope.generate(model, PROMPT, 6, max_len=32)
+    # No stop list is a program of its own, without matching: the first stop compiles once.
+    with counting() as c:
+        eqrope.generate(model, PROMPT, 6, max_len=32, stop=[[1]])
+    assert c.traces["generate_program"] == 1, dict(c.traces)
     with counting() as c:
         for kwargs in sweep:
             eqrope.generate(model, PROMPT, 6, max_len=32, **kwargs)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from eqrope.generation._processors import History, penalize, suppress, truncate
-from eqrope.generation._sampling import Sampling, choose_rows, choose_token, process_logits, stack_rows
+from eqrope.generation._sampling import Sampling, choose_rows, choose_token, logprob_of, process_logits, stack_rows
 
 
 CASES = 240
@@ -97,7 +97,7 @@ def test_presence_and_frequency_penalties_are_openais():
 def test_top_k_equals_transformers(ties, lp):
     logits, _, _ = cases(4, ties=ties)
     ks = np.random.default_rng(5).integers(1, VOCAB + 5, CASES).astype(np.int32)
-    ours = jax.jit(jax.vmap(lambda x, k: truncate(x, k, 1.0, 0.0)))(logits, ks)
+    ours = jax.jit(jax.vmap(lambda x, k: truncate(x, k, 1.0, 0.0)[0]))(logits, ks)
     for i in range(CASES):
         assert_same(ours[i], hf(lp.TopKLogitsWarper(int(ks[i])), [0], logits[i]))
 
@@ -108,7 +108,7 @@ def test_top_p_equals_transformers(lp):
     # sort puts last, eqrope keeps all of them (docs/generation.md).
     logits, _, _ = cases(6)
     ps = np.random.default_rng(7).uniform(0.05, 1.0, CASES).astype(np.float32)
-    ours = jax.jit(jax.vmap(lambda x, p: truncate(x, VOCAB, p, 0.0)))(logits, ps)
+    ours = jax.jit(jax.vmap(lambda x, p: truncate(x, VOCAB, p, 0.0)[0]))(logits, ps)
     for i in range(CASES):
         assert_same(ours[i], hf(lp.TopPLogitsWarper(float(ps[i])), [0], logits[i]))
 
@@ -119,7 +119,7 @@ def test_min_p_equals_transformers(ties, lp):
     logits, _, _ = cases(8, ties=ties)
     ps = np.random.default_rng(9).uniform(0.0, 1.0, CASES).astype(np.float32)
     ps[:20] = [0.0, 1.0] * 10
-    ours = jax.jit(jax.vmap(lambda x, p: truncate(x, VOCAB, 1.0, p)))(logits, ps)
+    ours = jax.jit(jax.vmap(lambda x, p: truncate(x, VOCAB, 1.0, p)[0]))(logits, ps)
     for i in range(CASES):
         assert_same(ours[i], hf(lp.MinPLogitsWarper(float(ps[i])), [0], logits[i]))
 
@@ -181,7 +181,7 @@ def test_the_whole_chain_equals_transformers_in_its_order(lp):
             temperature=temp, top_k=k, top_p=p, eos=eos, min_p=mp, repetition_penalty=rep,
             min_new=mn, bad=bad,
         )  # fmt: skip
-        return truncate(process_logits(x, h, n, sampling) / temp, k, p, mp)
+        return truncate(process_logits(x, h, n, sampling) / temp, k, p, mp)[0]
 
     f32 = functools.partial(np.asarray, dtype=np.float32)
     got = jax.jit(jax.vmap(ours))(
@@ -215,7 +215,7 @@ def test_neutral_settings_change_nothing_bit_for_bit():
         logits, h, np.zeros(CASES, np.int32)
     )
     np.testing.assert_array_equal(np.asarray(out), logits)
-    scaled = jax.jit(jax.vmap(lambda x: truncate(x, VOCAB, 1.0, 0.0)))(logits)
+    scaled = jax.jit(jax.vmap(lambda x: truncate(x, VOCAB, 1.0, 0.0)[0]))(logits)
     np.testing.assert_array_equal(np.asarray(scaled), logits)
     assert jnp.asarray(out).dtype == jnp.float32
 
@@ -227,7 +227,7 @@ def test_without_top_k_and_top_p_the_unsorted_cut_keeps_the_same_bits():
     logits[:8, :3] = [np.inf, -np.inf, np.nan]
     logits[8] = np.nan
     min_p = np.random.default_rng(19).uniform(0.0, 0.5, CASES).astype(np.float32)
-    run = jax.jit(jax.vmap(lambda x, mp, s: truncate(x, VOCAB, 1.0, mp, s), in_axes=(0, 0, None)))
+    run = jax.jit(jax.vmap(lambda x, mp, s: truncate(x, VOCAB, 1.0, mp, s)[0], in_axes=(0, 0, None)))
     sorted_, unsorted = run(logits, min_p, True), run(logits, min_p, False)
     np.testing.assert_array_equal(np.asarray(sorted_).view(np.int32), np.asarray(unsorted).view(np.int32))
     assert np.all(np.isneginf(np.asarray(unsorted)[:9, 2]))
@@ -260,3 +260,26 @@ def test_the_sort_has_a_branch_of_its_own_also_for_settings_per_row():
     for fn, sampling in ((shared, one), (choose_rows, each)):
         assert _conds_around_sort(jax.make_jaxpr(fn)(*args, sampling).jaxpr) == 2
     # That each row still chooses what it chooses alone: tests/test_per_row_settings.py.
+
+
+def test_the_token_logprob_is_log_softmax_entry_bit_for_bit():
+    """`logprob_of` reads one entry without the vector: the same bits as `jax.nn.log_softmax`'s
+    entry, with `-inf` logits among the others, and with the top given or found."""
+    logits, _, _ = cases(21)
+    logits[:40, :5] = -np.inf
+    tokens = np.random.default_rng(22).integers(5, VOCAB, CASES).astype(np.int32)
+    want = jax.jit(jax.vmap(lambda x, t: jax.nn.log_softmax(x)[t]))(logits, tokens)
+    found = jax.jit(jax.vmap(logprob_of))(logits, tokens)
+    given = jax.jit(jax.vmap(logprob_of))(logits, tokens, logits.max(axis=1))
+    for ours in (found, given):
+        np.testing.assert_array_equal(np.asarray(ours).view(np.int32), np.asarray(want).view(np.int32))
+
+
+def test_truncate_returns_the_top_logit_every_filter_keeps():
+    logits, _, _ = cases(23)
+    ks = np.random.default_rng(24).integers(1, VOCAB + 5, CASES).astype(np.int32)
+    ps = np.random.default_rng(25).uniform(0.05, 1.0, CASES).astype(np.float32)
+    mps = np.random.default_rng(26).uniform(0.0, 1.0, CASES).astype(np.float32)
+    kept, top = jax.jit(jax.vmap(truncate))(logits, ks, ps, mps)
+    np.testing.assert_array_equal(np.asarray(top), logits.max(axis=1))
+    np.testing.assert_array_equal(np.asarray(kept).max(axis=1), logits.max(axis=1))

@@ -62,15 +62,16 @@ def test_nine_calls_compile_few_programs_per_cache_length(job, caplog):
     lines = _compiles(caplog)
     per_length = collections.Counter(re.search(r"cache length (\d+)", line)[1] for line in lines)
     # Cache length 16: the plain program (generate with or without EOS ids, sampling
-    # settings, stop strings), num_samples=3, and streaming, which must hold a host
-    # callback (see generation/_stream.py). It was four before (an EOS list of another
-    # length made its own). Cache length 32: a batch of 2 and a single prompt.
-    assert per_length == {"16": 3, "32": 2}, lines
+    # settings), num_samples=3, streaming, which must hold a host callback (see
+    # generation/_stream.py), and stop strings: a call without any runs a program that
+    # matches nothing. Cache length 32: a batch of 2 and a single prompt.
+    assert per_length == {"16": 4, "32": 2}, lines
     # Each line after the first says what made it a new program.
     assert "(a new batch, cache length, num_samples or static setting compiles once" in lines[0]
     assert all("; new: " in line for line in lines[1:]), lines
     assert "the on_token callback False -> True" in lines[1], lines
     assert "num_samples None -> 3" in lines[2], lines
+    assert "the size bucket of stop strings" in lines[3], lines
 
 
 def test_each_static_setting_is_named(job, caplog):

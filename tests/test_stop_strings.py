@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import eqrope
-from eqrope.generation._stop_strings import NO_TEXT_STOPS, ends_with_text, text_stops
+from eqrope.generation._stop_strings import NO_TEXT_STOPS, ends_with_text, host_ends_with_text, text_stops
 from eqrope.testing import Uncached
 
 from _compiles import counting
@@ -267,7 +267,11 @@ def _letters_only():
     return tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
 
 
-def test_no_stop_strings_table_is_the_floor_shape():
-    # No stop strings and a small list share a shape, so that they share a program.
+def test_small_tables_share_the_floor_shape_and_none_is_empty():
+    # Small lists share a shape, so that they share a program; no stop strings is a table
+    # of no strings, whose program holds no matching.
     small = text_stops([b"a", b"b"], [b"ab", b"ba", b"aab"])
-    assert jax.tree.map(np.shape, small) == jax.tree.map(np.shape, NO_TEXT_STOPS)
+    other = text_stops([b"x"], [b"xx"])
+    assert jax.tree.map(np.shape, small) == jax.tree.map(np.shape, other)
+    assert np.shape(NO_TEXT_STOPS.target) == (0,) and np.size(NO_TEXT_STOPS.at) == 0
+    assert not host_ends_with_text([1, 2, 3], NO_TEXT_STOPS)

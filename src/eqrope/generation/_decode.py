@@ -143,7 +143,7 @@ def decode_program(
     """
     keys = row_keys(key, buffer.shape[0], batched, samples)
     cache, logits, buffer, lengths, history = prepare(
-        model, buffer, lengths, chunk, samples, mesh, rules
+        model, buffer, lengths, chunk, samples, mesh, rules, differentiable
     )
     model, cache = for_decoding(model, cache)
     cache = constrain(cache, mesh, rules)
@@ -190,8 +190,6 @@ def decode_step(
     if table is not None:  # the model's own log-probability reads the unmasked logits
         own = jax.vmap(model_logprob, in_axes=(0, 0, 0 if per_row(sampling) else None))(state.logits, tok, sampling)
         automaton = advance(table, automaton, tok, active)
-    # Every iteration runs the step: when all rows have just finished it is wasted, but
-    # skipping it with a `lax.cond` costs more, in every iteration, than it saves once.
     # The step's write, row `step_pos` of the cache, cannot be clamped: `step_pos <=
     # max_len - 1`. A row at `pos == max_len` is done (its text is full); its step rewrites
     # its own last cache row, and its logits are never read again.
@@ -203,6 +201,12 @@ def decode_step(
     step = functools.partial(
         model.step, check=False, kv_bound=jnp.max(step_pos), kv_low=jnp.min(step_pos)
     )
-    logits, cache = over_rows(step, tok, state.cache, step_pos)
-    cache, logits = constrain(cache, mesh, rules), logits.astype(jnp.float32)
-    return DecodeState(cache=cache, logits=logits, text=text, automaton=automaton)
+    def run(cache):
+        logits, cache = over_rows(step, tok, cache, step_pos)
+        return logits.astype(jnp.float32), cache
+
+    # The last iteration's step (every row has just finished) is skipped: it is a whole
+    # pass over the weights, which a one-token call (the time to the first token) would
+    # pay twice. The branch costs about 1% of the seed's small steps.
+    logits, cache = jax.lax.cond(jnp.any(~text.done), run, lambda cache: (state.logits, cache), state.cache)
+    return DecodeState(cache=constrain(cache, mesh, rules), logits=logits, text=text, automaton=automaton)

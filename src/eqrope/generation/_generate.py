@@ -145,8 +145,9 @@ def generate(
       Every setting is a traced value: a new temperature, penalty, `min_p`, `min_new`,
       key or id list does not recompile. The shapes are static: the length of `eos_id`,
       the number of `bad_ids` (padded to 8, then to powers of two), the number of `stop`
-      sequences and their longest length (each padded to 4, then to powers of two), and
-      `num_samples`.
+      sequences and their longest length (each padded to 4, then to powers of two; no
+      stop sequences, and likewise no `StopStrings`, is a shape of its own, whose program
+      matches nothing: a first call with a stop compiles once more), and `num_samples`.
 
       Per row: `max_new`, `temperature`, `top_k`, `top_p`, `min_p`, the three penalties
       and `min_new` each also take a list, a tuple or a `(batch,)` array, one value per

@@ -16,11 +16,12 @@ from ._processors import prompt_history
 from ._rows import over_rows, repeat_rows, rows_cache
 
 
-def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None):
-    """The prefill of a generate program: the batched cache, the float32 logits at each
-    row's last prompt token, and the prompts' histories, each repeated `samples` times
-    (sample-minor) when given. **Returns:** `(cache, logits, buffer, lengths, history)`."""
-    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules)
+def prepare(model, buffer, lengths, chunk, samples, mesh=None, rules=None, differentiable=False):
+    """The prefill of a generate program (`prefill_rows`): the batched cache, the float32
+    logits at each row's last prompt token, and the prompts' histories, each repeated
+    `samples` times (sample-minor) when given. **Returns:** `(cache, logits, buffer,
+    lengths, history)`."""
+    cache, logits = prefill_rows(model, buffer, lengths, chunk, mesh, rules, differentiable)
     history = jax.vmap(functools.partial(prompt_history, vocab=logits.shape[-1]))(buffer, lengths)
     if samples is None:
         return cache, logits, buffer, lengths, history
@@ -44,9 +45,11 @@ def prefill_piece(max_len: int) -> int:
 
 
 def prefill_rows(
-    model, buffer, lengths, chunk: int, mesh=None, rules=None
+    model, buffer, lengths, chunk: int, mesh=None, rules=None, differentiable: bool = False
 ) -> tuple[KVCache, Float[Array, "batch vocab"]]:
-    """Prefill every row in chunks; only chunks that start before the longest prompt run.
+    """Prefill every row in chunks; only chunks that start before the longest prompt run:
+    a `lax.while_loop`, or with `differentiable` (which a while loop cannot be) a
+    `lax.scan` over every chunk whose later ones are skipped with a `lax.cond`.
 
     The last chunk starts at `max_len - chunk` at the latest, so no write is clamped; it
     may recompute rows an earlier chunk wrote, with the same tokens and positions.
@@ -76,13 +79,19 @@ def prefill_rows(
 
         return over_rows(row, buffer, lengths, *carry)
 
-    def body(carry, j):
-        start = jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32)
-        run = lambda c: rows(chunk, start, c)
-        return jax.lax.cond(j * chunk < longest, run, lambda c: c, carry), None
+    def run(j, carry):
+        return rows(chunk, jnp.minimum(j * chunk, max_len - chunk).astype(jnp.int32), carry)
 
     carry = (cache, jnp.zeros((batch, model.vocab_size), jnp.float32))
     n_chunks = math.ceil(max_len / chunk)
     if n_chunks == 1:  # one piece, which always holds a prompt token
-        return rows(chunk, jnp.zeros((), jnp.int32), carry)
+        return run(0, carry)
+    if not differentiable:  # a loop over the chunks that hold a prompt token
+        going = lambda state: state[0] * chunk < longest
+        step = lambda state: (state[0] + 1, run(state[0], state[1]))
+        return jax.lax.while_loop(going, step, (jnp.zeros((), jnp.int32), carry))[1]
+
+    def body(carry, j):  # reverse-differentiable: every chunk, the later ones skipped
+        return jax.lax.cond(j * chunk < longest, functools.partial(run, j), lambda c: c, carry), None
+
     return jax.lax.scan(body, carry, jnp.arange(n_chunks, dtype=jnp.int32))[0]

@@ -91,8 +91,8 @@ def suppress(
     """`-inf` at the `bad` ids, and at the `eos` ids while `n_new < min_new`
     (transformers' `NoBadWordsLogitsProcessor` for single tokens, then
     `MinNewTokensLengthLogitsProcessor`)."""
-    vocab = logits.shape[0]
-    banned = id_mask(bad, vocab) | (id_mask(eos, vocab) & (n_new < min_new))
+    held = jnp.where(jnp.asarray(n_new) < min_new, jnp.asarray(eos), -1)  # -1 marks nothing
+    banned = id_mask(jnp.concatenate([jnp.asarray(bad), held.astype(jnp.asarray(bad).dtype)]), logits.shape[0])
     return jnp.where(banned, -jnp.inf, logits)
 
 
@@ -102,8 +102,10 @@ def truncate(
     top_p: Float[ArrayLike, ""],
     min_p: Float[ArrayLike, ""],
     sorts: Bool[ArrayLike, ""] | None = None,
-) -> Float[Array, " vocab"]:
+) -> tuple[Float[Array, " vocab"], Float[Array, ""]]:
     """Top-k, then top-p, then min-p, on temperature-scaled logits; dropped tokens get `-inf`.
+    **Returns:** the truncated logits and their largest (the top token's, which every
+    filter keeps).
 
     - `top_k`: keep the logits `>=` the k-th largest (ties at the threshold are kept; a
       `top_k >= vocab` keeps everything);
@@ -112,6 +114,7 @@ def truncate(
       `top_p = 1` keeps everything (transformers then skips the filter);
     - `min_p`: then drop the tokens whose probability (after the two filters above) is
       below `min_p` times the top token's (Nguyen et al. 2024); `min_p = 0` keeps all.
+      The ratio of the two is `exp(logit - top logit)`, compared without normalizing.
 
     These are transformers' `TopKLogitsWarper`, `TopPLogitsWarper` and `MinPLogitsWarper`
     with `min_tokens_to_keep=1`, in the order `_get_logits_processor` applies them.
@@ -126,9 +129,9 @@ def truncate(
     if sorts is None:
         sorts = needs_sort(top_k, top_p, vocab)
     filtered = jax.lax.cond(sorts, _top_k_top_p, _keep_all, scaled, top_k, top_p)
-    probs = jax.nn.softmax(filtered)
-    floor = jnp.asarray(min_p).astype(probs.dtype) * jnp.max(probs)
-    return jnp.where(probs >= floor, filtered, -jnp.inf)
+    top = jnp.max(filtered)
+    kept = jnp.exp(filtered - top) >= jnp.asarray(min_p).astype(filtered.dtype)
+    return jnp.where(kept, filtered, -jnp.inf), top
 
 
 def needs_sort(top_k: Int[ArrayLike, "*rows"], top_p: Float[ArrayLike, "*rows"], vocab: int) -> Bool[Array, ""]:
@@ -143,7 +146,9 @@ def _top_k_top_p(scaled, top_k, top_p):
     descending = jnp.sort(scaled)[::-1]
     kth = descending[jnp.clip(top_k, 1, vocab) - 1]
     descending = jnp.where(descending >= kth, descending, -jnp.inf)
-    probs = jax.nn.softmax(descending)
+    # `jax.nn.softmax`, bit for bit, whose max is the first entry (a NaN too: sorted last).
+    unnormalized = jnp.exp(descending - jax.lax.stop_gradient(descending[0]))
+    probs = unnormalized / jnp.sum(unnormalized)
     # The mass from each token down, summed from the smallest up as transformers does:
     # a token stays while the tokens below it hold more than 1 - top_p.
     mass_from = jnp.cumsum(probs[::-1])[::-1]

@@ -9,6 +9,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, UInt
 
 from ._processors import History, needs_sort, penalize, suppress, truncate
 from ._stop_strings import NO_TEXT_STOPS, TextStops
+from ._stopping import stop_table
 
 
 class Sampling(NamedTuple):
@@ -31,8 +32,9 @@ class Sampling(NamedTuple):
       many new tokens.
     - `bad`: ids never produced, `(n_bad,)`, padded with -1.
     - `stop`: stop sequences, `(n_stop, stop_len)`, right-aligned, padded on the left with
-      -2 (matches anything), spare rows -1 (see `_stopping.py`).
-    - `stop_text`: stop strings, matched on the text (see `_stop_strings.py`).
+      -2 (matches anything), spare rows -1 (see `_stopping.py`); no rows for none.
+    - `stop_text`: stop strings, matched on the text (see `_stop_strings.py`); a table of
+      no strings for none.
     """
 
     temperature: Float[ArrayLike, ""]
@@ -45,7 +47,7 @@ class Sampling(NamedTuple):
     frequency_penalty: Float[ArrayLike, ""] = np.float32(0.0)
     min_new: Int[ArrayLike, ""] = np.int32(0)
     bad: Int[ArrayLike, " n_bad"] = np.full((8,), -1, np.int32)
-    stop: Int[ArrayLike, "n_stop stop_len"] = np.full((4, 4), -1, np.int32)
+    stop: Int[ArrayLike, "n_stop stop_len"] = stop_table(None)
     stop_text: TextStops = NO_TEXT_STOPS
 
 
@@ -69,25 +71,24 @@ def process_logits(
 ) -> Float[Array, " vocab"]:
     """The processors before the temperature: penalties, then `bad` and `min_new` masks.
 
-    Each runs in a `lax.cond` on the call's settings, whose predicate is the same for
+    They run in one `lax.cond` on the call's settings, whose predicate is the same for
     every row (so it stays a branch under `jax.vmap`): a call without penalties or masks
-    skips their work at every step, and no setting recompiles.
+    skips their work at every step, and no setting recompiles. A call with only one of
+    the two runs both: each processor with its neutral settings returns its input bit
+    for bit (see `_processors.py`).
     """
 
-    def penalized(logits):
-        return penalize(
+    def processed(logits):
+        logits = penalize(
             logits,
             history,
             sampling.repetition_penalty,
             sampling.presence_penalty,
             sampling.frequency_penalty,
         )
-
-    def masked(logits):
         return suppress(logits, n_new, sampling.bad, sampling.eos, sampling.min_new)
 
-    logits = jax.lax.cond(penalties_on(sampling), penalized, lambda x: x, logits)
-    return jax.lax.cond(masks_on(sampling), masked, lambda x: x, logits)
+    return jax.lax.cond(penalties_on(sampling) | masks_on(sampling), processed, lambda x: x, logits)
 
 
 def per_row(sampling: Sampling) -> bool:
@@ -167,7 +168,23 @@ def model_logprob(
     without penalties, masks or truncation."""
     temperature = jnp.asarray(sampling.temperature).astype(jnp.float32)
     own = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    return jax.nn.log_softmax(own)[token]
+    return logprob_of(own, token)
+
+
+def logprob_of(
+    logits: Float[Array, " vocab"], token: Int[Array, ""], top: Float[Array, ""] | None = None
+) -> Float[Array, ""]:
+    """`jax.nn.log_softmax(logits)[token]`, bit for bit, without the vector: the token's
+    shifted logit less the log of the shifted sum (one reduction instead of a vocabulary of
+    log-probabilities, of which one entry is read). `top`: `max(logits)`, when known."""
+    top = jax.lax.stop_gradient(jnp.max(logits) if top is None else top)
+    return (entry(logits, token) - top) - jnp.log(jnp.sum(jnp.exp(logits - top)))
+
+
+def entry(logits: Float[Array, " vocab"], token: Int[Array, ""]) -> Float[Array, ""]:
+    """`logits[token]` for a token id (in range, never negative): one slice, without the
+    wrapping of negative indices that `[]` traces."""
+    return jax.lax.dynamic_index_in_dim(logits, token, keepdims=False, allow_negative_indices=False)
 
 
 def sample_token(
@@ -183,25 +200,33 @@ def sample_token(
     **Returns:** `(token, logprob)`, `logprob` the token's log-probability under the
     distribution it was chosen from (see `draw`).
     """
-    token, logprobs = draw(logits.astype(jnp.float32), key, position, sampling, sorts)
-    return token, logprobs[token]
+    token, chosen_from, top = pick(logits.astype(jnp.float32), key, position, sampling, sorts)
+    return token, logprob_of(chosen_from, token, top)
 
 
-def draw(
+def draw(*args) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
+    """The token at `position` from float32 (processed) logits, `pick`'s arguments, and
+    the log-probabilities of the distribution it was chosen from (the speculative
+    programs read them all; `sample_token` reads the token's alone)."""
+    token, chosen_from, _ = pick(*args)
+    return token, jax.nn.log_softmax(chosen_from)
+
+
+def pick(
     logits: Float[Array, " vocab"],
     key: UInt[Array, "2"] | Key[Array, ""],
     position: Int[Array, ""],
     sampling: Sampling,
     sorts: Bool[ArrayLike, ""] | None = None,
-) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
-    """The token at `position` from float32 (processed) logits, and the log-probabilities
-    of the distribution it was chosen from.
+) -> tuple[Int[Array, ""], Float[Array, " vocab"], Float[Array, ""]]:
+    """The token at `position` from float32 (processed) logits, the logits of the
+    distribution it was chosen from, and their largest.
 
-    Greedy: the argmax, and `log_softmax(logits)`. Sampling: the logits are divided by
+    Greedy: the argmax, `logits`, and the argmax's logit. Sampling: the logits are divided by
     the temperature and truncated with top-k, top-p and min-p
-    (`eqrope.generation._processors.truncate`), and the token is drawn with
+    (`eqrope.generation._processors.truncate`), and the token is drawn from them with
     `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
-    spends nothing on keys); the log-probabilities are those of the truncated logits.
+    spends nothing on keys); they are the logits returned.
     The vocabulary is sorted only for top-k or top-p: `sorts`, default this row's
     settings (see `_processors.truncate`); given, it is the batch's, and both the greedy
     and the sampled token are computed, the row's temperature choosing.
@@ -209,13 +234,14 @@ def draw(
     temperature = jnp.asarray(sampling.temperature)
 
     def greedy(_):
-        return jnp.argmax(logits).astype(jnp.int32), jax.nn.log_softmax(logits)
+        token = jnp.argmax(logits).astype(jnp.int32)
+        return token, logits, entry(logits, token)
 
     def sample(_):
         scaled = logits / temperature.astype(jnp.float32)
-        filtered = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
+        filtered, top = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
         token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
-        return token.astype(jnp.int32), jax.nn.log_softmax(filtered)
+        return token.astype(jnp.int32), filtered, top
 
     if sorts is None:
         # A real branch, not a select: greedy decoding skips the sort and the random draw.

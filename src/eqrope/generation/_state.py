@@ -15,8 +15,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ._processors import History, record
 from ._sampling import Sampling, penalties_on, per_row
-from ._stop_strings import ends_with_text, text_stops_on
-from ._stopping import NONE, ends_with_stop
+from ._stop_strings import ends_with_text, holds_text_stops, text_stops_on
+from ._stopping import NONE, ends_with_stop, holds_stops
 from ._stream import emit
 
 
@@ -87,8 +87,8 @@ def commit(
     batch, max_len = text.tokens.shape
     pos, rows = text.pos, jnp.arange(batch)
 
-    def write(buffer, value):
-        return buffer.at[rows, pos].set(jnp.where(active, value, buffer[rows, pos]))
+    def write(buffer, value):  # an inactive row's write falls outside the buffer: dropped
+        return buffer.at[rows, jnp.where(active, pos, max_len)].set(value, mode="drop")
 
     tokens = write(text.tokens, tok)
     if listener is not None:
@@ -97,18 +97,23 @@ def commit(
     each_row = per_row(sampling)
     eos = jnp.asarray(sampling.eos)
     is_eos = jnp.any(tok[:, None] == (eos if each_row else eos[None, :]), axis=-1)
-    # Settings-level branches (one predicate for every row): a call without stop
-    # sequences or penalties skips matching and counting at every step.
+    # A call without stop sequences or strings has tables of no rows: no matching is
+    # traced. Otherwise settings-level branches (one predicate for every row): a call
+    # without penalties, or whose table rows are spare, skips counting and matching.
     axis = 0 if each_row else None
-    is_stop = jax.lax.cond(
-        jnp.any(jnp.asarray(sampling.stop) != NONE),
-        lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, axis))(tokens, pos, sampling.stop),
-        lambda: jnp.zeros((batch,), jnp.bool_),
-    ) | jax.lax.cond(
-        jnp.any(text_stops_on(sampling.stop_text)),
-        lambda: jax.vmap(ends_with_text, in_axes=(0, 0, axis))(tokens, pos, sampling.stop_text),
-        lambda: jnp.zeros((batch,), jnp.bool_),
-    )
+    is_stop = jnp.zeros((batch,), jnp.bool_)
+    if holds_stops(sampling.stop):
+        is_stop = is_stop | jax.lax.cond(
+            jnp.any(jnp.asarray(sampling.stop) != NONE),
+            lambda: jax.vmap(ends_with_stop, in_axes=(0, 0, axis))(tokens, pos, sampling.stop),
+            lambda: jnp.zeros((batch,), jnp.bool_),
+        )
+    if holds_text_stops(sampling.stop_text):
+        is_stop = is_stop | jax.lax.cond(
+            jnp.any(text_stops_on(sampling.stop_text)),
+            lambda: jax.vmap(ends_with_text, in_axes=(0, 0, axis))(tokens, pos, sampling.stop_text),
+            lambda: jnp.zeros((batch,), jnp.bool_),
+        )
     may_end = text.n_new >= sampling.min_new
     ends = (may_end & (is_eos | is_stop)) | (n_new >= max_new) | (pos + 1 >= max_len)
     return TextState(

@@ -19,9 +19,11 @@ For each stop string `s` of `m` bytes and each token `t`, the table holds:
 Walking back from the last token, a match adds each earlier token's length while it fits,
 and is complete once it reaches `m`. Only tokens that can take part in a match are kept
 (sorted ids, found with a binary search), so the table's size follows the stop strings,
-not the vocabulary. Every size is a power of two with a floor (`MIN_SHAPE`): no stop
-strings, or up to four strings of up to 16 bytes over up to 256 tokens, run one compiled
-program; the strings themselves are traced values.
+not the vocabulary. Every size is a power of two with a floor (`MIN_SHAPE`): up to four
+strings of up to 16 bytes over up to 256 tokens run one compiled program; the strings
+themselves are traced values. No stop strings is a table of no strings (`NO_TEXT_STOPS`),
+whose program holds no matching at all (a call that then passes strings compiles once
+more).
 """
 
 import weakref
@@ -113,7 +115,15 @@ def text_stops(
     return table
 
 
-NO_TEXT_STOPS = text_stops([], [])
+# No stop strings: no tokens and no strings, so that a program given it holds no
+# matching (`holds_text_stops`).
+NO_TEXT_STOPS = TextStops(
+    ids=np.zeros((0,), np.int32),
+    length=np.zeros((0,), np.int32),
+    at=np.zeros((0, 0, 1), np.bool_),
+    ends=np.zeros((0, 0, 2), np.bool_),
+    target=np.zeros((0,), np.int32),
+)
 # The engine's slots: no stop strings, at the smallest shape (each decode call stacks them).
 NO_TEXT_STOPS_TINY = text_stops([], [], floor=(1, 1, 1))
 
@@ -159,6 +169,12 @@ def host_ends_with_text(text: Sequence[int], table: TextStops) -> bool:
 
 
 _ends_with_text = jax.jit(ends_with_text)
+
+
+def holds_text_stops(table: TextStops) -> bool:
+    """Whether a table can hold a stop string at all: a static fact (its shape); a table
+    of no strings (`NO_TEXT_STOPS`) is matched nowhere."""
+    return np.shape(table.target)[-1] > 0
 
 
 def text_stops_on(table: TextStops) -> Bool[Array, "*rows"]:
@@ -211,13 +227,15 @@ class StopStrings:
         return f"StopStrings({list(self.strings)!r})"
 
 
-def text_table(stop, floor: tuple[int, int, int] = MIN_SHAPE) -> TextStops:
+def text_table(stop, floor: tuple[int, int, int] | None = None) -> TextStops:
     """The `TextStops` of the `StopStrings` entries of a checked `stop` list: one table for
-    all of them (they must share a tokenizer), or an empty one without any; each size at
-    least `floor` (the engine's slots hold one fixed shape)."""
+    all of them (they must share a tokenizer), each size at least `MIN_SHAPE`, and
+    `NO_TEXT_STOPS` without any; or, given a `floor` (the engine's slots hold one fixed
+    shape), each size at least `floor`, with or without strings."""
     given = [s for s in stop or () if isinstance(s, StopStrings)]
     if not given:
-        return NO_TEXT_STOPS if floor == MIN_SHAPE else text_stops([], [], floor)
+        return NO_TEXT_STOPS if floor is None else text_stops([], [], floor)
+    floor = MIN_SHAPE if floor is None else floor
     if len(given) == 1 and floor == MIN_SHAPE:
         return given[0].table
     if any(s.tokenizer is not given[0].tokenizer for s in given):
