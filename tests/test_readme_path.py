@@ -16,7 +16,7 @@ import sys
 import tomllib
 
 import pytest
-from _bench import BENCH, ROOT
+from _bench import BENCH, ROOT, load
 
 
 README = (ROOT / "README.md").read_text()
@@ -144,3 +144,19 @@ def test_readme_test_figures_are_the_measured_ones(figure):
         stated = re.search(r"about (\d+)[–-](\d+) minutes on 2 cores", tests)
         assert stated and int(stated[1]) <= minutes <= int(stated[2]) + 1, (stated, minutes)
         assert f"the tests {measured['tests_s']} s" in tests
+
+
+def test_readme_first_call_table_is_the_committed_run():
+    """The README's first-call table is bench/first_call.py's table of its committed JSON,
+    with the run's date and load averages beside it."""
+    sys.path.insert(0, str(BENCH))  # first_call.py imports its bench/ neighbours
+    try:
+        first_call = load("first_call")
+    finally:
+        sys.path.remove(str(BENCH))
+    result = json.loads((BENCH / "results" / "first_call_cpu.json").read_text())
+    section = README.split("### First calls", 1)[1].split("\n## ", 1)[0]
+    assert first_call.readme_table(result) in section
+    assert result["machine"]["date"][:10] in section
+    start, end = result["loadavg"]["start"][0], result["loadavg"]["end"][0]
+    assert f"{start:.1f}" in section and f"{end:.1f}" in section
