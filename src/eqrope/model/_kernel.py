@@ -51,8 +51,24 @@ def scores(
     q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "kv_heads rows head_dim"]
 ) -> Float[Array, "kv_heads group seq rows"]:
     """`q . k / sqrt(head_dim)` in `acc_dtype` (float32, or float64 for float64 `q`)."""
-    s = jnp.einsum("skgd,ktd->kgst", q, k, preferred_element_type=acc_dtype(q.dtype))
-    return s * (1.0 / q.shape[-1] ** 0.5)
+    q, k = _common(q, k)
+    # `einsum("skgd,ktd->kgst")` as jnp.einsum writes it, without tracing its parser and
+    # its nested function (four times a block in a deep model's program).
+    s = jax.lax.dot_general(k, q, (((2,), (3,)), ((0,), (1,))), preferred_element_type=acc_dtype(q.dtype))
+    return jnp.transpose(s, (0, 3, 2, 1)) * (1.0 / q.shape[-1] ** 0.5)
+
+
+def _weighted(p: Float[Array, "kv_heads group seq rows"], v: Float[Array, "kv_heads rows head_dim"]):
+    """`einsum("kgst,ktd->kgsd", p, v)` in `p`'s dtype, as jnp.einsum writes it."""
+    p_v, v = _common(p.astype(v.dtype), v)
+    return jax.lax.dot_general(p_v, v, (((3,), (1,)), ((0,), (0,))), preferred_element_type=p.dtype)
+
+
+def _common(a, b):
+    """`a` and `b` in their promoted dtype, as jnp.einsum takes mixed operands (a bfloat16
+    query against an int8 cache's float32 keys)."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
 
 
 def merge(
@@ -71,8 +87,7 @@ def merge(
     p = jnp.exp(s - shift[..., None])
     correction = jnp.exp(m - shift)
     l = l * correction + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=p.dtype)
-    return m_new, l, acc * correction[..., None] + pv
+    return m_new, l, acc * correction[..., None] + _weighted(p, v)
 
 
 def attend(
@@ -86,8 +101,7 @@ def attend(
     state. Every query must see at least one row."""
     s = jnp.where(mask, scores(q, k), -jnp.inf)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    pv = jnp.einsum("kgst,ktd->kgsd", p.astype(v.dtype), v, preferred_element_type=p.dtype)
-    return jnp.transpose(pv / jnp.sum(p, axis=-1)[..., None], (2, 0, 1, 3))
+    return jnp.transpose(_weighted(p, v) / jnp.sum(p, axis=-1)[..., None], (2, 0, 1, 3))
 
 
 def finish(state: State) -> Float[Array, "seq kv_heads group head_dim"]:
