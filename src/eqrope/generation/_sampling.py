@@ -204,11 +204,17 @@ def sample_token(
     return token, logprob_of(chosen_from, token, top)
 
 
-def draw(*args) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
-    """The token at `position` from float32 (processed) logits, `pick`'s arguments, and
+def draw(
+    logits: Float[Array, " vocab"],
+    key: UInt[Array, "2"] | Key[Array, ""],
+    position: Int[Array, ""],
+    sampling: Sampling,
+    sorts: Bool[ArrayLike, ""] | None = None,
+) -> tuple[Int[Array, ""], Float[Array, " vocab"]]:
+    """The token at `position` from float32 (processed) logits (`pick`'s arguments), and
     the log-probabilities of the distribution it was chosen from (the speculative
     programs read them all; `sample_token` reads the token's alone)."""
-    token, chosen_from, _ = pick(*args)
+    token, chosen_from, _ = pick(logits, key, position, sampling, sorts)
     return token, jax.nn.log_softmax(chosen_from)
 
 

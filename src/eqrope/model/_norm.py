@@ -67,8 +67,8 @@ def _norm_last(norm: eqx.Module, x: Float[Array, "*rows width"]) -> Float[Array,
     bias (LayerNorm), over the last axis, computed so that it cannot overflow.
 
     Written over the whole array with `lax` selects rather than as `jax.vmap` of one row:
-    the same XLA program, traced with a tenth of the equations (each `jnp.where` is a
-    nested function of its own), which a deep unrolled model traces four times a block.
+    the same XLA program, traced without batching every operation and without the nested
+    function each `jnp.where` is (a deep unrolled model traces four norms a block).
     """
     with jax.numpy_dtype_promotion("standard"):
         dtype = jnp.result_type(x.dtype, jnp.float32)
