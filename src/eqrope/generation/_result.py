@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from .._checks import is_concrete
+from .._upload import upload
 from ._request import UNDER_JIT, Request
 
 
@@ -98,9 +99,9 @@ def finish(request: Request, outputs: Outputs, return_logprobs: bool):
     lead = (request.prompt.shape[0],) if request.batched else ()
     lead += (request.samples,) if request.samples is not None else ()
     tokens, ends = tokens.reshape(*lead, total), ends.reshape(lead)
-    # `jax.device_put`, not `jnp.asarray`, which compiles a small program per shape.
+    # `upload` (`jax.device_put`), not `jnp.asarray`, which compiles a program per shape.
     if not return_logprobs:
-        return jax.device_put(tokens)
+        return upload(tokens)
     # The log-probabilities are already 0 outside the generated positions.
     both = [
         (np.asarray(x)[:, :total] if is_concrete(x) else x[:, :total]).reshape(*lead, total)
@@ -111,7 +112,7 @@ def finish(request: Request, outputs: Outputs, return_logprobs: bool):
         new = ends - np.repeat(request.lengths, request.samples or 1).reshape(lead)
         counters = (new, np.zeros_like(new), np.zeros_like(new))
     counters = tuple(np.asarray(c, np.int32).reshape(lead) for c in counters)
-    tokens, logprobs, model_logprobs, ends, counters = jax.device_put((tokens, *both, ends, counters))
+    tokens, logprobs, model_logprobs, ends, counters = upload((tokens, *both, ends, counters))
     return Generation(tokens, logprobs, model_logprobs, ends, *counters, speculative=speculative)
 
 
