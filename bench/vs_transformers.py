@@ -100,7 +100,7 @@ import _real_shapes  # imports torch: after the check above
 from _memory import memory_targets
 from _bounds import COPY_CONVENTION, copy_probe
 from _hf_profile import profile_step
-from _report import TARGETS_NOTE, verdict
+from _report import print_vs_transformers
 
 
 SEED_MODEL = dict(vocab_size=65, d_model=64, n_heads=4, n_blocks=2, max_len=256)
@@ -286,61 +286,6 @@ def run_real_case(name: str, cfg: dict) -> tuple[dict, list]:
     return case, targets
 
 
-def print_table(result: dict) -> None:
-    m = result["machine"]
-    print(f"\neqrope vs transformers, greedy ({result['mode']} mode, {m['date']})")
-    print(f"machine: {m['cpu_model']}, {m['cpu_count']} CPUs; torch threads {m['torch_threads']}, "
-          f"XLA CPU client on all cores; 1-min load average at start {m['loadavg_1min_start']:.1f}")
-    print(f"python {m['python']}, jax {m['jax']}, equinox {m['equinox']}, torch {m['torch']}, "
-          f"transformers {m['transformers']}")
-    head = (f"{'case':<13} {'N':>4} {'B':>2} | {'contender':<18} {'first (s)':>9} {'median (s)':>10} "
-            f"{'min-max (s)':>15} | {'speedup':>7} | same tokens")
-    print(head)
-    print("-" * len(head))
-    for case in result["cases"]:
-        for row in case["rows"]:
-            for k in row["contenders"]:
-                t = row[k]
-                speed = "" if k == "eqrope" else f"{row['speedup_vs_' + k]:6.1f}x"
-                same = "" if k == "eqrope" else str(row["identical_tokens"][k])
-                print(f"{case['case']:<13} {row['new_tokens']:>4} {row['batch']:>2} | {k:<18} "
-                      f"{t['first_s']:9.3f} {t['median_s']:10.4f} {t['min_s']:7.4f}-{t['max_s']:<7.4f} | "
-                      f"{speed:>7} | {same}")
-    print("speedup = transformers median / eqrope median (eqrope's first call includes its "
-          "compile, once per cache length and batch)")
-    for case in result["cases"]:
-        if "roofline" in case:
-            r = case["roofline"]
-            print(f"[{case['case']}] batch 1: {r['per_token_s'] * 1e3:.1f} ms a token; DRAM roofline "
-                  f"{r['roofline_per_token_s'] * 1e3:.1f} ms ({r['weights_nbytes'] / 1e6:.0f} MB of "
-                  f"weights at {r['copy']['bytes_per_s'] / 1e9:.1f} GB/s, numpy copy) -> "
-                  f"{r['fraction']:.2f}; at the all-core XLA pass's "
-                  f"{r['xla_pass']['bytes_per_s'] / 1e9:.1f} GB/s -> {r['fraction_of_xla_pass']:.2f}")
-    if "memory" in result:
-        r, mib = result["memory"], 2**20
-        print(f"[memory] {r['dtype']} {r['shape']} shape, max_len {r['max_len']}: generate "
-              f"{r['new_tokens']} after {r['prompt_len']}: peak RSS growth "
-              f"{r['growth_nbytes'] / mib:.0f} MiB (first call, compile included; second call "
-              f"{r['second_call']['growth_nbytes'] / mib:.0f} MiB) against "
-              f"{r['weights_nbytes'] / mib:.0f} MiB of weights = {r['growth_over_weights']:.2f}x; "
-              f"from_hf's own peak growth {r['load']['growth_nbytes'] / mib:.0f} MiB")
-    print(TARGETS_NOTE.strip())
-    for t in result["targets"]:
-        print(f"target: {t['target']}: measured {t['measured']:.2f}{t['unit']} -> {verdict(t['met'])}")
-    for case in result["cases"]:
-        if "profile" in case:
-            p = case["profile"]
-            print(f"\n[{case['case']}] one decode step at position {p['position']}: eqrope "
-                  f"{p['eqrope_step_median_s'] * 1e3:.2f} ms (compiled), transformers forward "
-                  f"of one token {p['hf_forward_one_token_median_s'] * 1e3:.2f} ms")
-            mb = p["weight_bytes"] / 1e6
-            for side in ("xla", "torch"):
-                t = p[f"{side}_weight_products_median_s"]
-                print(f"  the step's weight products alone ({mb:.1f} MB of weights) in {side}: "
-                      f"{t * 1e3:.2f} ms = {mb / 1e3 / t:.1f} GB/s")
-            print(p["hf_top_ops"])
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -417,7 +362,7 @@ def main(argv=None) -> dict:
             folder.rmdir()
         workdir.rmdir()
     path = write_json(out / "vs_transformers_cpu.json", result)
-    print_table(result)
+    print_vs_transformers(result)
     print(f"\nwrote {path} ({result['total_s']:.0f} s)")
     return result
 
