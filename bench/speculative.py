@@ -5,10 +5,11 @@
     python bench/speculative.py --train     # retrain the target/draft pair first
     python bench/speculative.py --save      # update the committed bench/results/
 
-The models are a trained pair on the task of `_speculative_task.py` (a small
-character-level language and a copying task in its alphabet): the target is the growth
-size (4 blocks, width 256), the draft one block of width 64, both read from
-`bench/checkpoints/speculative/` (`--train` retrains and rewrites them). The cases:
+The models are a trained pair (`_speculative_pair.py`) on the task of
+`_speculative_task.py` (a small character-level language and a copying task in its
+alphabet): the target is the growth size (4 blocks, width 256), the draft one block of
+width 64, both read from `bench/checkpoints/speculative/` (`--train` retrains and
+rewrites them). The cases:
 
 - `draft`: the target with the trained draft, on prompts that start a sentence;
 - `prompt_lookup`: the target with `draft="prompt_lookup"`, on copying prompts (a text,
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqrope
+import _speculative_pair as pair
 import _speculative_task as task
 from _timing import (add_output_arguments, compile_seconds, log, machine_info, results_folder,
                      time_calls, without_result, write_json)
@@ -186,12 +188,12 @@ def main(argv=None) -> dict:
     out = args.out if args.out is not None else results_folder(args.save)
     start = time.perf_counter()
     if args.train:
-        task.train_pair(log=log)
+        pair.train_pair(log=log)
     try:
-        target, draft = task.load_pair()
+        target, draft = pair.load_pair()
     except FileNotFoundError as e:
         parser.exit(2, f"{e}\n")
-    train_file = task.CHECKPOINTS / "train.json"
+    train_file = pair.CHECKPOINTS / "train.json"
     models = {name: {"params": eqrope.count_params(m), "config": m.config.to_dict()}
               for name, m in (("target", target), ("draft", draft))}
     if train_file.is_file():

@@ -20,10 +20,15 @@ SMOKE_ENV = {**os.environ, "XLA_FLAGS": SMOKE_FLAGS}
 
 
 def load(name: str):
-    """Import a bench/ module by path."""
+    """Import a bench/ module by path; its own imports of bench/ modules find them there, as
+    under `python bench/{name}.py`."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
     return module
 
 

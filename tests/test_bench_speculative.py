@@ -21,6 +21,7 @@ from _bench import BENCH, ROOT, SMOKE_ENV, load
 
 
 task = load("_speculative_task")
+trained = load("_speculative_pair")
 
 
 def close(a, b):
@@ -102,7 +103,7 @@ def test_entropy_per_char_against_a_sample():
 
 @pytest.fixture(scope="module")
 def pair():
-    return task.load_pair()
+    return trained.load_pair()
 
 
 def test_committed_pair_loads(pair):
@@ -115,7 +116,7 @@ def test_committed_pair_loads(pair):
 
 def test_missing_pair_says_how_to_train(tmp_path):
     with pytest.raises(FileNotFoundError, match="bench/speculative.py --train"):
-        task.load_pair(tmp_path)
+        trained.load_pair(tmp_path)
 
 
 def test_target_copies_after_the_separator(pair):
