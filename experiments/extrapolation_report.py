@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reversal import with_interval
+from reversal_report import with_interval
 
 
 GROUPS = ((3, 8), (9, 12), (13, 16))  # trained on; fine-tuned on; never trained on
