@@ -5,9 +5,10 @@ in `tests/test_rope_scaling.py` (`test_rates_match_transformers` and
 `test_dynamic_rates_match_transformers_at_max_len`, marked `hf`), and its
 `test_factor_one_changes_nothing` checks the logits of a random RMSNorm/SwiGLU model. This
 file checks the path `experiments/extrapolation.py` takes: the chapter's trained rotary
-checkpoint (LayerNorm, GELU, biases), given another rope by `with_rope` (rebuilt from the
-changed config, refilled with the trained arrays), for every method the experiment runs,
-through the forward pass and through cached greedy generation.
+checkpoint (LayerNorm, GELU, biases), given another rope by `with_rope`
+(`experiments/extrapolation_ropes.py`: rebuilt from the changed config, refilled with the
+trained arrays), for every method the experiment runs, through the forward pass and
+through cached greedy generation.
 
 `dynamic` is the identity at factor 1 only for sequences up to `original_max_len`: beyond
 it transformers' formula, `base * (factor * L / original - (factor - 1)) ** (d / (d - 2))`,
@@ -36,7 +37,7 @@ def extrapolation():
     """experiments/ is a folder of scripts that import each other by name."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(ROOT / "experiments"))
-        yield importlib.import_module("extrapolation")
+        yield importlib.import_module("extrapolation_ropes")
 
 
 @pytest.fixture(scope="module")
