@@ -18,7 +18,7 @@ import safetensors.numpy
 
 import eqrope
 from _adapters import ALL, call, perturbed
-from test_hf import _hf_logits, _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
+from _hf_llama import _hf_logits, _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
 
 
 # peft 0.21 calls an attribute transformers 5 deprecates.

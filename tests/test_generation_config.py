@@ -10,7 +10,7 @@ import pytest
 
 import eqrope
 from _models import random_model
-from test_hf import _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
+from _hf_llama import _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
 
 
 VOCAB = 19

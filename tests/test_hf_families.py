@@ -24,7 +24,7 @@ import safetensors.numpy
 import eqrope
 import eqrope.testing
 from eqrope import AttentionOptions
-from test_hf import _hf_logits, _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
+from _hf_llama import _hf_logits, _hf_random_model, hf_lib  # noqa: F401 (hf_lib is a fixture)
 
 
 def _model(attention, *, n_kv_heads=2, seed=0, **kwargs):

@@ -20,7 +20,7 @@ import pytest
 import eqrope
 from eqrope.weights._hf_config import decoder_config
 from eqrope.model._rope import rope_attention_factor
-from test_hf import (  # noqa: F401 (hf_lib is a fixture)
+from _hf_llama import (  # noqa: F401 (hf_lib is a fixture)
     BASE,
     _eqrope_model,
     _hf_logits,

@@ -26,7 +26,7 @@ import pytest
 
 import eqrope
 from eqrope.weights._hf_config import ARCHITECTURES, decoder_config
-from test_hf import BASE, random_hf_tensors, write_hf_dir
+from _hf_llama import BASE, random_hf_tensors, write_hf_dir
 from test_tokenizer import CHATS, TEMPLATE, _write, trained  # noqa: F401 (trained is a fixture)
 
 
