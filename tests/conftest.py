@@ -3,6 +3,7 @@ import os
 import pathlib
 
 import jax
+import jaxtyping
 import pytest
 from _quick import QUICK
 
@@ -83,3 +84,12 @@ def _release_compiled_programs():
     if _mappings() > MAPPINGS_BEFORE_CLEARING:
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def unchecked():
+    """Turn off the suite's jaxtyping hook (which refuses a np.float32 for a `float` field
+    itself), to test eqrope's own checks as users run them."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
