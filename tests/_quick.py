@@ -9,6 +9,7 @@ QUICK = frozenset({
     "test_int8_cache.py", "test_norm_range.py", "test_generate.py", "test_generate_work.py",
     "test_generate_logprobs.py", "test_processors.py", "test_eos_ids.py",
     "test_per_row_settings.py", "test_streaming.py", "test_hand_loop.py", "test_call_caches.py",
-    "test_generation_config.py", "test_engine.py", "test_serving_pages.py", "test_checkpoint.py",
-    "test_checkpoint_damage.py", "test_tokenizer.py", "test_train_errors.py", "test_types.py",
+    "test_request_memo.py", "test_generation_config.py", "test_engine.py", "test_serving_pages.py",
+    "test_checkpoint.py", "test_checkpoint_damage.py", "test_tokenizer.py", "test_train_errors.py",
+    "test_types.py",
 })  # fmt: skip

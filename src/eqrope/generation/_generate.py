@@ -18,7 +18,8 @@ from ._decode import run_cached
 from ._generation_config import FROM_CONFIG, GenerationConfig, _FromConfig, resolve
 from ._hf_generation_config import refuse_hf_keywords
 from ._per_row import refuse_config_list, split_rows
-from ._request import Request, parse_request
+from ._request import Request
+from ._request_memo import checked_request
 from ._result import Generation, finish
 from ._uncached import generate_uncached
 from .speculative._round import run_speculative
@@ -257,7 +258,7 @@ def generate(
     )  # fmt: skip
     # The first row's values stand for the per-row settings in the call's settings.
     settings = resolve(config, {**given, **{name: values[0] for name, values in rows.items()}})
-    request = parse_request(
+    request = checked_request(
         model, prompt, settings, rows=rows, max_len=max_len, key=key, prompt_lengths=prompt_lengths,
         stream=on_token, draft=draft, draft_len=draft_len, accept=accept,
         check_finite=check_finite, prefill_chunk=prefill_chunk, mesh=mesh, rules=rules,
