@@ -153,7 +153,11 @@ def _top_k_top_p(scaled, top_k, top_p):
     # a token stays while the tokens below it hold more than 1 - top_p.
     mass_from = jnp.cumsum(probs[::-1])[::-1]
     top_p = jnp.asarray(top_p).astype(probs.dtype)
-    n_keep = jnp.where(top_p < 1, jnp.sum(mass_from > 1 - top_p), vocab)
+    # Counted as a float32 sum, exact below 2**24 entries: XLA:CPU compiles a large float
+    # sum as one library kernel, an integer one as a tree of four kernels.
+    ones = jnp.float32 if vocab < 2**24 else jnp.int32
+    kept = jnp.sum(jnp.where(mass_from > 1 - top_p, ones(1), ones(0))).astype(jnp.int32)
+    n_keep = jnp.where(top_p < 1, kept, vocab)
     threshold = descending[jnp.maximum(n_keep, 1) - 1]
     # A count past the top-k tokens reads a masked (-inf) entry; kth still holds.
     return jnp.where(scaled >= jnp.maximum(kth, threshold), scaled, -jnp.inf)

@@ -166,9 +166,15 @@ def model_logprob(
     """`token`'s log-probability under the model's own distribution at the sampling
     temperature, `log_softmax(logits / temperature)[token]` (temperature 1 when greedy),
     without penalties, masks or truncation."""
-    temperature = jnp.asarray(sampling.temperature).astype(jnp.float32)
-    own = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    return logprob_of(own, token)
+    return logprob_of(tempered(logits.astype(jnp.float32), sampling.temperature), token)
+
+
+def tempered(logits: Float[Array, " vocab"], temperature: Float[ArrayLike, ""]) -> Float[Array, " vocab"]:
+    """`logits / temperature`, temperature 1 when greedy (0). `model_logprob` and the
+    sampled draw (`pick`) both divide so: one expression, one compiled kernel for the
+    reciprocal XLA takes of it."""
+    temperature = jnp.asarray(temperature).astype(jnp.float32)
+    return logits / jnp.where(temperature > 0, temperature, 1.0)
 
 
 def logprob_of(
@@ -244,7 +250,7 @@ def pick(
         return token, logits, entry(logits, token)
 
     def sample(_):
-        scaled = logits / temperature.astype(jnp.float32)
+        scaled = tempered(logits, temperature)
         filtered, top = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
         token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
         return token.astype(jnp.int32), filtered, top

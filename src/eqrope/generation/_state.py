@@ -64,8 +64,14 @@ def start_text(
 
 def check_logits(text: TextState, logits: Float[Array, "batch vocab"], active: Bool[Array, " batch"]):
     """Stop and flag each `active` row whose logits hold a NaN or an infinity; the caller
-    raises. **Returns:** `(text, active)` with those rows done and no longer active."""
-    bad = active & ~jnp.all(jnp.isfinite(logits), axis=-1)
+    raises. **Returns:** `(text, active)` with those rows done and no longer active.
+
+    The non-finite entries are counted as a float32 sum (any one makes it at least 1),
+    not reduced as booleans: XLA:CPU runs a large float sum as one library kernel but
+    splits a boolean reduction over a large vocabulary into a tree of four kernels, each
+    compiled on the program's first call."""
+    flags = jnp.where(jnp.isfinite(logits), jnp.float32(0), jnp.float32(1))
+    bad = active & (jnp.sum(flags, axis=-1) > 0)
     text = dataclasses.replace(text, done=text.done | bad, nonfinite=text.nonfinite | bad)
     return text, active & ~bad
 
