@@ -15,7 +15,7 @@ import eqrope
 from _compiles import counting
 from _models import random_model
 from eqrope.generation._request import cache_rows
-from test_generate import CACHE_ROWS, EXECUTED, CountingDecoder
+from test_generate_work import CACHE_ROWS, EXECUTED, CountingDecoder
 
 
 VOCAB, D_MODEL, HEADS, BLOCKS = 29, 16, 2, 1

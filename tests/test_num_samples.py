@@ -16,7 +16,7 @@ from eqrope.generation import _decode
 from eqrope.generation._request import parse_request
 from eqrope.generation._generation_config import GenerationConfig
 from eqrope.testing import Uncached
-from test_generate import EXECUTED, CountingDecoder, all_eqns
+from test_generate_work import EXECUTED, CountingDecoder, all_eqns
 
 
 VOCAB = 23
