@@ -64,14 +64,14 @@ def matmul_vocab(x: Float[Array, "seq d_in"], w: Float[Array, "..."], *, rows: b
 
     The vocabulary is the widest axis of a model, and its float32 copy, made at once,
     would be the largest buffer of a decode step (a third of a bfloat16 SmolLM2's
-    weights). A low-precision table on the CPU is therefore converted in
-    `HEAD_CHUNKS` equal parts (and a narrower last one when they do not divide the
-    vocabulary), one part per iteration of a `lax.scan`, so that one part's float32 copy
-    is alive at a time; each column is computed as in one product. A loop, not a Python
-    `for`: unrolled, the parts were about 70 of the 300 kernels of a bfloat16
-    `generate` program, and XLA:CPU's fusion emitters hold about 1 MiB per kernel until
-    the program is compiled (bench/README.md, "What a first call's memory is made of").
-    Anything else takes the one product, unchanged.
+    weights). A low-precision table on the CPU is therefore converted in at most
+    `HEAD_CHUNKS` parts of `ceil(vocab / HEAD_CHUNKS)` columns (the last one narrower when
+    they do not divide the vocabulary), one part per iteration of a `lax.scan`, so that
+    one part's float32 copy is alive at a time; each column is computed as in one
+    product. A loop, not a Python `for`: unrolled, the parts were 58 of the 306 kernels
+    of a bfloat16 SmolLM2-shape `generate` program, and XLA:CPU's fusion emitters hold
+    about 1 MiB per kernel until the program is compiled (docs/kv_cache.md, "What a
+    first call's memory is made of"). Anything else takes the one product, unchanged.
     """
     product = matmul_rows if rows else matmul
     axis = 0 if rows else 1
