@@ -4,6 +4,7 @@
     python bench/load.py                     # SmolLM2-135M and Qwen2.5-0.5B shapes (~3 min on 2 cores)
     python bench/load.py --quick --out /tmp/x  # tiny shapes, 1 repeat (for the tests)
     python bench/load.py --save              # bench/results/load_cpu.json (committed)
+    python bench/load.py --section long      # only section 4 (~30 s), into --out
 
 Two checkpoints with random weights, written by `eqrope.to_hf` into a temporary directory
 (removed afterwards): the SmolLM2-135M shape in bfloat16 (257 MiB) and the Qwen2.5-0.5B
@@ -276,10 +277,13 @@ def targets(result: dict) -> list[dict]:
                    f"<= {CALL_LIMIT}", c["generate"]["default"]["ratio"],
                    c["generate"]["default"]["ratio"] <= CALL_LIMIT)
             for name, c in result["checkpoints"].items()]  # fmt: skip
+    return out + long_targets(result)
+
+
+def long_targets(result: dict) -> list[dict]:
     long = result["long"]["load_and_first_over_weights"]
-    out.append(target(f"from_hf + first 16-token generate, peak RSS / weights, bf16 max_len {LONG_POSITIONS}",
-                      f"<= {LONG_LIMIT}", long, long <= LONG_LIMIT))
-    return out
+    return [target(f"from_hf + first 16-token generate, peak RSS / weights, bf16 max_len {LONG_POSITIONS}",
+                   f"<= {LONG_LIMIT}", long, long <= LONG_LIMIT)]
 
 
 def table(result: dict) -> str:
@@ -314,18 +318,23 @@ def table(result: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and 1 repeat, for the tests")
+    parser.add_argument("--section", choices=("all", "long"), default="all",
+                        help="long: only section 4 (the 131072-position load and first call)")
     add_output_arguments(parser, "folder for load.json")
     args = parser.parse_args(argv)
+    if args.section != "all" and args.save:
+        parser.error(f"--section {args.section} writes a partial result: use --out (or no flag), "
+                     "or run every section (--section all) with --save")
     mode = "quick" if args.quick else "default"
     cfg = MODES[mode]
     path = (results_folder(True) / "load_cpu.json" if args.save
             else (args.out if args.out is not None else results_folder(False)) / "load.json")  # fmt: skip
     start = time.perf_counter()
     machine = {**machine_info(), "safetensors": importlib.metadata.version("safetensors")}
-    result = {"mode": mode, "machine": machine, "repeats": cfg["repeats"],
+    result = {"mode": mode, "section": args.section, "machine": machine, "repeats": cfg["repeats"],
               "loadavg": {"start": list(os.getloadavg())}, "checkpoints": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="eqrope_load_") as tmp:
-        for name in SHAPES:
+        for name in SHAPES if args.section == "all" else ():
             log(f"[{mode}] {name} ({time.perf_counter() - start:.0f} s)")
             result["checkpoints"][name] = measure(name, cfg, pathlib.Path(tmp))
             for leftover in pathlib.Path(tmp).iterdir():  # free the disk before the next
@@ -333,7 +342,7 @@ def main(argv=None) -> dict:
         log(f"[{mode}] long positions ({time.perf_counter() - start:.0f} s)")
         result["long"] = long_positions(cfg, pathlib.Path(tmp))
     result["loadavg"]["end"] = list(os.getloadavg())
-    result["targets"] = targets(result)
+    result["targets"] = targets(result) if args.section == "all" else long_targets(result)
     result["wall_s"] = time.perf_counter() - start
     result["method"] = METHOD
     written = write_json(path, result)

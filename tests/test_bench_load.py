@@ -6,9 +6,11 @@ the raw figures they come from, and the targets' flags against the ratios.
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
-from _bench import smoke_run
+from _bench import BENCH, smoke_run
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,16 @@ def test_quick_run_is_consistent(data):
     assert [x["measured"] for x in data["targets"]] == [stacked, unstacked, qwen["time_ratio"], *calls, long]
     assert [x["met"] for x in data["targets"]] == [stacked <= 1.3, unstacked <= 1.3, qwen["time_ratio"] <= 1.5,
                                                    *(r <= 0.1 for r in calls), long <= 2]  # fmt: skip
+
+
+def test_the_long_section_alone(tmp_path):
+    """`--section long` runs section 4 only, with its one target; it cannot `--save` (the
+    committed file would lose the other sections)."""
+    result, stdout = smoke_run("load", "quick", tmp_path, "load.json", "--section", "long", timeout=300)
+    assert result["section"] == "long" and result["checkpoints"] == {}
+    long = result["long"]["load_and_first_over_weights"]
+    assert [(x["measured"], x["met"]) for x in result["targets"]] == [(long, long <= 2)]
+    assert "peak at" in stdout
+    refused = subprocess.run([sys.executable, str(BENCH / "load.py"), "--section", "long", "--save"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "--section long writes a partial result" in refused.stderr

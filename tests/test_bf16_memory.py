@@ -158,3 +158,25 @@ def test_the_head_converted_in_parts_gives_the_one_products_bits():
         np.asarray(jax.grad(loss(lambda x, w: _matmul.matmul_vocab(x, w, rows=False)))(w)),
         np.asarray(jax.grad(loss(_matmul.matmul))(w)),
     )
+
+
+def test_the_head_is_converted_a_part_at_a_time_inside_a_loop():
+    """In a decode loop, the head's parts are converted in the head's own loop: no float32
+    copy of the whole table (XLA converted it once, ahead of every loop, when the parts
+    were sliced from the table as it came in), and one product in the program, not one
+    per part (each is a kernel, and XLA:CPU's emitters hold ~1 MiB per kernel while they
+    compile)."""
+    w = jax.random.normal(jax.random.PRNGKey(1), (500, 64)).astype(jnp.bfloat16)  # a tied table
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 64)).astype(jnp.bfloat16)
+
+    def decode(x, w):
+        body = lambda t, x: _matmul.matmul_vocab(x, w, rows=True)[:, :64] + x
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    compiled = jax.jit(decode).lower(x, w).compile()
+    table_f32 = 4 * w.size
+    assert compiled.memory_analysis().temp_size_in_bytes < table_f32 / 4
+    assert compiled.as_text().count(" dot(") <= 2  # the loop's part and the narrower last one
+    np.testing.assert_array_equal(np.asarray(jax.jit(decode)(x, w)),
+                                  np.asarray(jax.jit(lambda x, w: jax.lax.fori_loop(
+                                      0, 3, lambda t, x: _matmul.matmul_rows(x, w)[:, :64] + x, x))(x, w)))

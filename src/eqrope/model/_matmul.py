@@ -64,10 +64,14 @@ def matmul_vocab(x: Float[Array, "seq d_in"], w: Float[Array, "..."], *, rows: b
 
     The vocabulary is the widest axis of a model, and its float32 copy, made at once,
     would be the largest buffer of a decode step (a third of a bfloat16 SmolLM2's
-    weights). A low-precision table on the CPU is therefore converted in
-    `HEAD_CHUNKS` parts, each part after the previous part's product, so that one
-    part's float32 copy is alive at a time; each column is computed as in one product.
-    Anything else takes the one product, unchanged.
+    weights). A low-precision table on the CPU is therefore converted in at most
+    `HEAD_CHUNKS` parts of `ceil(vocab / HEAD_CHUNKS)` columns (the last one narrower when
+    they do not divide the vocabulary), one part per iteration of a `lax.scan`, so that
+    one part's float32 copy is alive at a time; each column is computed as in one
+    product. A loop, not a Python `for`: unrolled, the parts were 58 of the 306 kernels
+    of a bfloat16 SmolLM2-shape `generate` program, and XLA:CPU's fusion emitters hold
+    about 1 MiB per kernel until the program is compiled (docs/kv_cache.md, "What a
+    first call's memory is made of"). Anything else takes the one product, unchanged.
     """
     product = matmul_rows if rows else matmul
     axis = 0 if rows else 1
@@ -75,15 +79,20 @@ def matmul_vocab(x: Float[Array, "seq d_in"], w: Float[Array, "..."], *, rows: b
     if not converted_in_step(w) or n < 2 * HEAD_CHUNKS:
         return product(x, w)
     dims = (((1,), (1 if rows else 0,)), ((), ()))
-    edges = [n * i // HEAD_CHUNKS for i in range(HEAD_CHUNKS + 1)]
-    outs, after = [], x
-    for start, stop in zip(edges[:-1], edges[1:]):
-        # The slice is taken behind the tie as well: ahead of the loop it would be a
-        # low-precision copy of the table, held by the program.
-        _, tied = jax.lax.optimization_barrier((after, w))
-        part = in_step(after, jax.lax.slice_in_dim(tied, start, stop, axis=axis))
-        after = jax.lax.dot_general(x.astype(jnp.float32), part, dims)
-        outs.append(after)
+    x32, size = x.astype(jnp.float32), -(-n // HEAD_CHUNKS)
+    full = n // size
+
+    def part(start, width):
+        # The table goes through a barrier with the part's start: XLA sees a slice of a
+        # loop-invariant table, converts the whole table once, ahead of every loop, and
+        # holds it in float32; behind the barrier each part is converted in its iteration.
+        start, tied = jax.lax.optimization_barrier((start, w))
+        return jax.lax.dot_general(x32, in_step(x, jax.lax.dynamic_slice_in_dim(tied, start, width, axis)), dims)
+
+    _, parts = jax.lax.scan(lambda _, i: (None, part(i * size, size)), None, jnp.arange(full))
+    outs = [jnp.moveaxis(parts, 0, -2).reshape(*x.shape[:-1], full * size)]
+    if full * size < n:
+        outs.append(part(full * size, n - full * size))
     return jnp.concatenate(outs, axis=-1).astype(jnp.result_type(x.dtype, w.dtype))
 
 
