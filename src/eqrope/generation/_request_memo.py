@@ -20,6 +20,7 @@ Anything else is checked every call, as before. `_warn_if_cut` still warns every
 
 import collections
 import dataclasses
+import threading
 import weakref
 
 import equinox as eqx
@@ -39,8 +40,10 @@ _ABSENT = (
     "constraint", "think_end", "constraint_capacity",
 )  # fmt: skip
 _KEPT_CALLS = 32
-# key -> (weak reference to the model, weak reference to the prompt, the request)
+# key -> (weak reference to the model, weak reference to the prompt, the request), used
+# from any thread under the lock
 _KEPT: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
 
 
 def checked_request(model, prompt, settings: GenerationConfig, *, key=None, **arguments) -> Request:
@@ -49,18 +52,22 @@ def checked_request(model, prompt, settings: GenerationConfig, *, key=None, **ar
     signature = _signature(model, prompt, settings, key is None, arguments)
     if signature is None:
         return parse_request(model, prompt, settings, key=key, **arguments)
-    kept = _KEPT.get(signature)
+    with _LOCK:
+        kept = _KEPT.get(signature)
+        if kept is not None:
+            _KEPT.move_to_end(signature)
     if kept is not None and kept[0]() is model and kept[1]() is prompt:
-        _KEPT.move_to_end(signature)
         key = _check_key(key)
         return kept[2] if key is kept[2].key else dataclasses.replace(kept[2], key=key)
     request = parse_request(model, prompt, settings, key=key, **arguments)
     try:
-        _KEPT[signature] = (weakref.ref(model), weakref.ref(prompt), request)
+        entry = (weakref.ref(model), weakref.ref(prompt), request)
     except TypeError:  # no weak references to this model: checked every call
         return request
-    if len(_KEPT) > _KEPT_CALLS:
-        _KEPT.popitem(last=False)
+    with _LOCK:
+        _KEPT[signature] = entry
+        if len(_KEPT) > _KEPT_CALLS:
+            _KEPT.popitem(last=False)
     return request
 
 
