@@ -4,7 +4,6 @@ not say what to do now names the fix, and so do the three left from round 4.
 One test per message, each asserting the words of the fix (what to pass or call instead).
 """
 
-import re
 
 import jax
 import jax.numpy as jnp

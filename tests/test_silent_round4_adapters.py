@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import eqrope
-from _adapters import ALL, SIZES, adapted, base, call, ids, perturbed
+from _adapters import ALL, adapted, base, call, ids, perturbed
 
 
 # -- B5: float64 merges in float64 ---------------------------------------------------------
