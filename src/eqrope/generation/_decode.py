@@ -20,7 +20,6 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from ..model import KVCache

@@ -24,7 +24,6 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Int, Key
 
 from ...model import KVCache

@@ -12,7 +12,6 @@ become a stop string (vLLM V1's `stop_buffer_length`). Pure host code.
 
 from typing import final
 
-import numpy as np
 
 from ..._checks import as_int_array, check_bool, check_int
 from ...text._tokenizer import Tokenizer
