@@ -96,3 +96,16 @@ def test_a_jax_without_the_hash_uses_jax_random(monkeypatch):
     assert _threefry.threefry_data(key) is None
     got = jax.vmap(lambda p: _threefry.draw_token(key, p, logits))(POSITIONS)
     np.testing.assert_array_equal(got, jax.vmap(lambda p: reference_draw(key, p, logits))(POSITIONS))
+
+
+def test_high_dynamic_range_noise_uses_jax_random():
+    key, logits = jax.random.key(13), logits_with_holes(65)
+    before = jax.config.jax_high_dynamic_range_gumbel
+    jax.config.update("jax_high_dynamic_range_gumbel", True)
+    try:
+        assert _threefry.threefry_data(key) is None
+        got = jax.vmap(lambda p: _threefry.draw_token(key, p, logits))(POSITIONS)
+        want = jax.vmap(lambda p: reference_draw(key, p, logits))(POSITIONS)
+    finally:
+        jax.config.update("jax_high_dynamic_range_gumbel", before)
+    np.testing.assert_array_equal(got, want)

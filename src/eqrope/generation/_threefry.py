@@ -10,7 +10,8 @@ called unrolled in the traced program, for threefry keys (typed, or raw `uint32[
 read with the default implementation), with partitionable threefry (JAX's default) and
 the low dynamic-range Gumbel noise (JAX's default) on float32 logits. Anything else
 (rbg keys, other settings or dtypes, a JAX whose internals moved) draws with
-`jax.random` itself.
+`jax.random` itself. The noise is a kernel of its own (see `draw_token`), vectorized,
+which makes a sampled step faster too.
 
 The layout replicated (jax/_src/random/threefry2x32.py, core.py):
 
@@ -60,16 +61,20 @@ def threefry_data(key: UInt[Array, "2"] | Key[Array, ""]) -> UInt[Array, "2"] | 
     """The `uint32[2]` data of a threefry `key` whose draws this module reproduces, or
     `None` for one it does not: another implementation, or settings other than JAX's
     defaults (partitionable threefry, low dynamic-range Gumbel noise)."""
-    if (
-        _threefry2x32_lowering is None
-        or not jax.config.jax_threefry_partitionable
-        or jax.config.jax_high_dynamic_range_gumbel
-        or str(jax.random.key_impl(key)) != _IMPL
-    ):
+    if _threefry2x32_lowering is None or not jax_defaults() or str(jax.random.key_impl(key)) != _IMPL:
         return None
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(key)
     return jnp.asarray(key)
+
+
+def jax_defaults() -> bool:
+    """Whether JAX draws with partitionable threefry and low dynamic-range Gumbel noise,
+    the layout this module replicates (`False` for a JAX that renamed the settings)."""
+    try:
+        return bool(jax.config.jax_threefry_partitionable) and not jax.config.jax_high_dynamic_range_gumbel
+    except AttributeError:  # pragma: no cover - depends on the JAX version
+        return False
 
 
 def hash_pairs(
