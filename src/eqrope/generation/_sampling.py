@@ -10,7 +10,6 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Key, UInt
 from ._processors import History, needs_sort, penalize, suppress, truncate
 from ._stop_strings import NO_TEXT_STOPS, TextStops
 from ._stopping import stop_table
-from ._threefry import draw_token
 
 
 class Sampling(NamedTuple):
@@ -238,9 +237,8 @@ def pick(
     Greedy: the argmax, `logits`, and the argmax's logit. Sampling: the logits are divided by
     the temperature and truncated with top-k, top-p and min-p
     (`eqrope.generation._processors.truncate`), and the token is drawn from them with
-    `jax.random.categorical(jax.random.fold_in(key, position), ...)`, bit for bit, derived
-    only when sampling (greedy decoding spends nothing on keys; `_threefry.draw_token`
-    hashes unrolled, which XLA:CPU compiles faster); they are the logits returned.
+    `jax.random.fold_in(key, position)`, derived only when sampling (greedy decoding
+    spends nothing on keys); they are the logits returned.
     The vocabulary is sorted only for top-k or top-p: `sorts`, default this row's
     settings (see `_processors.truncate`); given, it is the batch's, and both the greedy
     and the sampled token are computed, the row's temperature choosing.
@@ -254,7 +252,7 @@ def pick(
     def sample(_):
         scaled = tempered(logits, temperature)
         filtered, top = truncate(scaled, sampling.top_k, sampling.top_p, sampling.min_p, sorts)
-        token = draw_token(key, position, filtered)
+        token = jax.random.categorical(jax.random.fold_in(key, position), filtered)
         return token.astype(jnp.int32), filtered, top
 
     if sorts is None:
