@@ -5,9 +5,8 @@ JAX arrays. `jax.device_put(x)` does that, but through its general path (pytree 
 primitive bind, per-argument sharding checks): about 0.15 ms per call on the CPU right
 after a program has run, about a quarter of the seed protocol's host cost (0.55 ms then).
 For one NumPy array headed, uncommitted, to the default device, `upload` calls the
-transfer that
-`jax.device_put` ends in (`pxla.batched_device_put`) directly: the same array (value,
-dtype, sharding, `committed=False`), in about 0.06 ms.
+transfer that `jax.device_put` ends in (`pxla.batched_device_put`) directly: the same
+array (value, dtype, sharding, `committed=False`), in about 0.06 ms.
 
 That transfer is JAX's internal API. If it moves, or for anything but a NumPy array of a
 dtype JAX keeps as it is (no x64 narrowing), on a single process, `upload` is
