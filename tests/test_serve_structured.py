@@ -169,6 +169,52 @@ def test_running_requests_stream_while_a_schema_compiles(server, client):
     assert inside, (window, finished[:3])
 
 
+def test_a_retry_after_a_408_waits_for_the_running_compile(local, monkeypatch):  # noqa: F811
+    """The 408 says to retry; a retry (or any request for the same spec) while the compile
+    still runs joins it instead of starting the same work on a second thread."""
+    from eqrope.serving.server import _structured
+    from eqrope.serving.server._errors import APIError
+
+    release, calls = threading.Event(), []
+    automaton = object()
+
+    class Held:  # hashable, as eqrope's frozen specs are
+        def compile(self, tokenizer, vocab):
+            calls.append(time.monotonic())
+            assert release.wait(30)
+            return automaton
+
+    _, tok = local
+    compiler = _structured.Compiler(tok, 320, (64, 1024), timeout=0.05)
+    monkeypatch.setattr(_structured, "fits", lambda a, capacity: True)  # the stand-in has no tables
+    spec = (Held(), "response_format")
+
+    async def scenario():
+        with pytest.raises(APIError) as error:
+            await compiler.compile(spec)
+        assert error.value.status == 408
+        compiler.timeout = 30.0
+        # Two retries and one request for another field, all while the first compile runs.
+        retries = [asyncio.create_task(compiler.compile(spec)) for _ in range(2)]
+        other = asyncio.create_task(compiler.compile((spec[0], "structured_outputs")))
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in (*retries, other))
+        release.set()
+        return await asyncio.gather(*retries, other)
+
+    answers = asyncio.run(scenario())
+    assert all(a is automaton for a in answers)
+    # One compile for the response_format spec (the 408's and both retries'), one for the
+    # other field (its errors name its own field).
+    assert len(calls) == 2
+    for _ in range(100):  # bounded: the pool's threads forget each compile as it ends
+        if not compiler.running:
+            break
+        time.sleep(0.01)
+    assert compiler.running == {}
+    compiler.close()
+
+
 def test_a_compile_past_the_timeout_is_a_408_and_no_capacity_a_400(local, monkeypatch):  # noqa: F811
     from eqrope.serving.server._errors import APIError
     from eqrope.serving.server._structured import Compiler

@@ -13,12 +13,16 @@ against the tokenizer on a host thread, and handed to the engine as the request'
 A schema outside `eqrope.JsonSchema`'s keyword list is a 400 naming the keyword. The
 compile runs on a thread of its own (never the engine's: the running requests go on
 decoding), and past `--structured-timeout` seconds the request is answered 408; the
-compile goes on, and its automaton is cached for the next request that asks for it.
+compile goes on, and its automaton is cached for the next request that asks for it. A
+request for a spec whose compile is still running waits for that compile instead of
+starting another, so a client that retries after a 408, as the answer says to, never
+holds a second thread with the same work.
 """
 
 import asyncio
 import concurrent.futures
 import json
+import threading
 
 from ... import structured
 from ...structured._compile import outlines_core
@@ -123,6 +127,10 @@ class Compiler:
         if capacity is not None:
             outlines_core()  # an ImportError naming the [structured] extra
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="eqrope-structured")
+        # (spec, field) -> the future of its compile, while it runs; the pool's threads
+        # forget a compile when it ends.
+        self.running: dict[tuple, concurrent.futures.Future] = {}
+        self.lock = threading.Lock()
 
     async def compile(self, requested):
         """The `Automaton` of `requested_spec(body)`'s answer (`None` for none)."""
@@ -131,7 +139,7 @@ class Compiler:
         spec, field = requested
         if self.capacity is None:
             raise bad_field(field, f"{field} asks for structured output, but {_ENABLE}.")
-        future = asyncio.wrap_future(self.pool.submit(self._compile, spec, field))
+        future = asyncio.wrap_future(self._start(spec, field))
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout)
         except TimeoutError:
@@ -140,6 +148,24 @@ class Compiler:
                 f"{self.timeout:g} s; simplify the schema, or retry (the compile goes on, and is cached).",
                 param=field, code="structured_output_timeout",
             ) from None  # fmt: skip
+
+    def _start(self, spec, field: str) -> concurrent.futures.Future:
+        """The running compile of `spec` for `field`, or a new one on the pool."""
+        key = (spec, field)
+        with self.lock:
+            future = self.running.get(key)
+            if future is None:
+                future = self.pool.submit(self._compile, spec, field)
+                self.running[key] = future
+        # Forgotten once done: a finished automaton is in the spec cache
+        # (`eqrope.structured`), and a failed compile is tried afresh.
+        future.add_done_callback(lambda f: self._forget(key, f))
+        return future
+
+    def _forget(self, key: tuple, future: concurrent.futures.Future) -> None:
+        with self.lock:
+            if self.running.get(key) is future:
+                del self.running[key]
 
     def _compile(self, spec, field: str):
         try:
